@@ -1,0 +1,140 @@
+"""Small configuration dataclasses shared by every layer.
+
+Validation raises ValueError naming the field, so the CLI can print it as is.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL = "default"
+
+
+@dataclass
+class ModelConfig:
+    model: str = DEFAULT_MODEL        # "default", a HF directory, or a .gguf file
+    dtype: str = "auto"               # auto | float32 | bfloat16 | float16
+    device: str = "auto"              # auto | cpu | cuda
+    load_format: str = "auto"         # auto | dummy (random weights of the model's shape)
+    max_model_len: int | None = None  # None: the model's own limit
+    served_model_name: str | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: expected auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: expected auto|cpu|cuda, got {self.device!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: expected auto|dummy, got {self.load_format!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None         # bytes, CPU
+    gpu_memory_utilization: float = 0.9        # CUDA
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size: must be in [1, 1024], got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 2048   # filled from the model by the engine
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+
+KV_ROLES = ("producer", "consumer", "both")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass
+class KVTransferConfig:
+    """How an instance takes part in P/D disaggregation; None connector means colocated only."""
+    kv_connector: str | None = None       # None | "nixl" | "loopback"
+    kv_role: str = "both"                 # producer (P) | consumer (D) | both
+    engine_id: str | None = None          # filled at start-up when not given
+    lease_seconds: float = 30.0           # P holds blocks for D this long without a heartbeat
+    heartbeat_seconds: float = 5.0        # D extends leases this often while it waits
+    kv_load_failure_policy: str = "fail"  # fail | recompute
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0            # 0: pick a free port
+    enable_prog_thread: bool = False      # NIXL progress thread busy-polls a core; off by default on CPU
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role: expected one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy: expected one of {KV_LOAD_FAILURE_POLICIES}, "
+                             f"got {self.kv_load_failure_policy!r}")
+        if self.lease_seconds <= 0:
+            raise ValueError(f"lease_seconds: must be > 0, got {self.lease_seconds}")
+        if self.heartbeat_seconds <= 0:
+            raise ValueError(f"heartbeat_seconds: must be > 0, got {self.heartbeat_seconds}")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ValueError(f"side_channel_port: must be in [0, 65535], got {self.side_channel_port}")
+
+    @classmethod
+    def from_json(cls, text: str | None, **overrides: Any) -> "KVTransferConfig":
+        data: dict[str, Any] = {}
+        if text:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config: not valid JSON ({e})") from None
+            if not isinstance(data, dict):
+                raise ValueError("kv_transfer_config: must be a JSON object")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        extra = {k: v for k, v in data.items() if k not in known}
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        cfg = cls(**kwargs, extra=extra)
+        cfg.validate()
+        return cfg
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in ("producer", "both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in ("consumer", "both")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    num_threads: int | None = None        # torch CPU threads; None: torch's default
+    cpu_affinity: list[int] | None = None  # pin the engine process to these cores
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        self.kv_transfer.validate()

@@ -1,0 +1,51 @@
+"""The only objects that cross between the scheduler (core) and the model runner (worker)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.base import ConnectorMeta
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: process `token_ids` at positions
+    [num_computed_tokens, num_computed_tokens + len(token_ids))."""
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int          # tokens already in the KV cache before this step
+    block_ids: list[int]              # the request's whole block table
+    sampling_params: SamplingParams
+    do_sample: bool                   # False for a prompt chunk that is not the last
+    num_output_tokens: int = 0        # how many tokens the request has sampled so far (seeded sampling)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    finished_request_ids: set[str] = field(default_factory=set)  # runner may drop per-request state
+    connector_meta: "ConnectorMeta | None" = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class KVConnectorOutput:
+    finished_sending: set[str] = field(default_factory=set)   # P: D has read these; free the blocks
+    finished_recving: set[str] = field(default_factory=set)   # D: KV for these has landed (or failed)
+    invalid_block_ids: set[int] = field(default_factory=set)  # D: blocks whose load failed
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]   # request id → the token sampled this step
+    kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})

@@ -1,0 +1,102 @@
+"""Request and RequestStatus: one generation request as the scheduler tracks it."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from pdserve.outputs import FinishReason
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated, KV being loaded by the connector
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
+                 kv_transfer_params: dict[str, Any] | None = None,
+                 arrival_time: float | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must hold at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.kv_transfer_params = kv_transfer_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        budget = (max_model_len - len(prompt_token_ids)) if max_model_len else None
+        wanted = sampling_params.max_tokens
+        self.max_tokens = min(x for x in (budget, wanted) if x is not None) if (budget or wanted) else 1
+        self.max_tokens = max(1, self.max_tokens)
+
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0        # prompt tokens not computed here (prefix cache or remote KV)
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # filled by the KV cache manager as blocks fill
+        self.error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status implied by the last token, or None to go on (stop strings are checked
+        by the detokenizer, which sees text)."""
+        last = self.output_token_ids[-1]
+        sp = self.sampling_params
+        if not sp.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,289 @@
+"""Continuous batching over a paged KV cache.
+
+The scheduler speaks "tokens to catch up", not phases: each step a request gets
+    num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+so a prompt is a request far behind (possibly split into chunks) and a decode is one token behind.
+
+One step:
+  1. running requests first (decodes and unfinished prompt chunks), in arrival order; when blocks
+     run out the newest running request is preempted (its blocks freed, recomputed later)
+  2. then waiting requests, oldest first, while budget, sequence slots and blocks last; a waiting
+     request first takes its prefix-cache hit and asks the connector for external tokens; an async
+     load parks it in WAITING_FOR_REMOTE_KVS (blocks allocated, no compute) until the connector
+     reports it in finished_recving
+  3. update_from_output advances computed tokens, appends sampled tokens, finishes requests, and
+     applies the connector's report (finished_sending frees P's held blocks; finished_recving
+     promotes D's loaded requests; load errors follow kv_load_failure_policy)
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.config import SchedulerConfig
+from pdserve.core.batch import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.core.request import Request, RequestStatus
+from pdserve.kv_transfer.base import KVConnectorScheduler
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to a request, for the engine to turn into a RequestOutput."""
+    request: Request
+    new_token_ids: list[int]
+    kv_transfer_params: dict | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.request.is_finished
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None,
+                 kv_load_failure_policy: str = "fail") -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.connector = connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.held_for_transfer: dict[str, Request] = {}  # P: finished, blocks kept for a reader
+        self.aborted_while_loading: dict[str, Request] = {}  # blocks kept until the load ends
+        self._finished_ids: set[str] = set()            # tell the runner to drop state
+        self._updates: list[RequestUpdate] = []         # finishes decided outside a step
+
+    # -- intake ------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests or request.request_id in self.held_for_transfer:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        capacity = self.kv.pool.num_blocks * self.block_size
+        if request.num_prompt_tokens >= capacity:
+            raise ValueError(f"prompt: {request.num_prompt_tokens} tokens do not fit in the KV cache "
+                             f"({capacity} token slots)")
+        # A request alone must always fit, or preemption could never make room for it.
+        request.max_tokens = min(request.max_tokens, capacity - request.num_prompt_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> dict | None:
+        """Finish from outside a step (the detokenizer found a stop string); returns the
+        connector's kv_transfer_params for the response."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        return self._finish(request, status, emit=False)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+    @property
+    def num_waiting_for_remote_kvs(self) -> int:
+        return sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+    @property
+    def num_blocks_held_for_transfer(self) -> int:
+        return sum(len(self.kv.get_block_ids(r)) for r in self.held_for_transfer)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self.held_for_transfer or self.aborted_while_loading)
+
+    # -- decide ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+
+        running = list(self.running)
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = running.pop()  # the newest running request gives way
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+
+        if not preempted:
+            budget = self._schedule_waiting(scheduled, budget)
+
+        out = SchedulerOutput(
+            scheduled=[self._scheduled_request(r, n) for r, n in scheduled],
+            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_request_ids=self._finished_ids,
+        )
+        self._finished_ids = set()
+        if self.connector is not None:
+            object.__setattr__(out, "connector_meta", self.connector.build_connector_meta(out))
+        return out
+
+    def _schedule_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(self.waiting.popleft())  # uses no compute until its KV lands
+                continue
+
+            computed_blocks, num_local = [], request.num_computed_tokens
+            if num_local == 0:
+                computed_blocks, num_local = self.kv.get_computed_blocks(request)
+            num_external, load_async = 0, False
+            if self.connector is not None and request.kv_transfer_params:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                if num_external is None:  # the connector cannot tell yet
+                    skipped.append(self.waiting.popleft())
+                    continue
+
+            num_new = 0
+            if not load_async:
+                num_new = request.num_tokens - num_local - num_external
+                if not self.config.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+            new_block_ids = self.kv.allocate_slots(
+                request, num_new + num_external, computed_blocks, num_local - request.num_computed_tokens)
+            if new_block_ids is None:
+                break  # waiting requests never preempt running ones
+            self.waiting.popleft()
+            request.num_computed_tokens = num_local
+            request.num_cached_tokens = max(request.num_cached_tokens, num_local)
+            if self.connector is not None and num_external:
+                self.connector.update_state_after_alloc(
+                    request, self.kv.get_block_ids(request.request_id), num_external)
+            if load_async:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                request.num_cached_tokens = num_local + num_external
+                skipped.append(request)
+                continue
+            request.num_computed_tokens += num_external
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _promote_loaded(self, request: Request, invalid_block_ids: set[int]) -> None:
+        """The connector finished loading the request's KV: make it schedulable, or finish it with
+        an error when the load failed under policy `fail`."""
+        block_ids = self.kv.get_block_ids(request.request_id)
+        loaded = request.num_cached_tokens
+        request.status = RequestStatus.WAITING
+        bad = [i for i, b in enumerate(block_ids) if b in invalid_block_ids]
+        if bad:
+            self.kv.evict_blocks({block_ids[i] for i in bad})
+            if self.kv_load_failure_policy == "fail":
+                request.error = (f"KV load failed for {len(bad)} of {len(block_ids)} blocks "
+                                 "(kv_load_failure_policy=fail)")
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                return
+            loaded = min(loaded, bad[0] * self.block_size)  # recompute from the first bad block
+        # Back off one token: the last prompt token runs again to produce logits.
+        request.num_computed_tokens = min(loaded, request.num_tokens - 1)
+        request.num_cached_tokens = request.num_computed_tokens
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            sampling_params=request.sampling_params,
+            do_sample=start + num_new >= request.num_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    # -- update ------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        updates, self._updates = self._updates, []
+        for item in scheduler_output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.is_finished:
+                continue  # finished between schedule and update (abort, stop string)
+            request.num_computed_tokens += len(item.token_ids)
+            token_id = runner_output.sampled_token_ids.get(item.request_id)
+            if not item.do_sample or token_id is None:
+                continue
+            request.append_output_token_id(token_id)
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            status = request.check_stop()
+            update = RequestUpdate(request, [token_id])
+            if status is not None:
+                update.kv_transfer_params = self._finish(request, status, emit=False)
+            updates.append(update)
+        self._apply_connector_output(runner_output.kv_connector_output)
+        updates.extend(self._updates)
+        self._updates = []
+        return updates
+
+    def _apply_connector_output(self, out: KVConnectorOutput) -> None:
+        for request_id in out.finished_sending:
+            request = self.held_for_transfer.pop(request_id, None)
+            if request is not None:
+                self.kv.free(request)
+        for request_id in out.finished_recving:
+            request = self.aborted_while_loading.pop(request_id, None)
+            if request is not None:
+                self.kv.free(request)
+            elif request_id in self.requests:
+                self._promote_loaded(self.requests[request_id], out.invalid_block_ids)
+
+    def _finish(self, request: Request, status: RequestStatus, emit: bool = True) -> dict | None:
+        was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+        params = None
+        if was_loading:
+            # A READ may still be writing into these blocks: free them when the load reports.
+            self.connector.request_aborted_while_loading(request)
+            self.aborted_while_loading[request.request_id] = request
+        else:
+            delay_free = False
+            if self.connector is not None:
+                delay_free, params = self.connector.request_finished(
+                    request, self.kv.get_block_ids(request.request_id))
+            if delay_free:
+                self.held_for_transfer[request.request_id] = request
+            else:
+                self.kv.free(request)
+        if emit:
+            self._updates.append(RequestUpdate(request, [], params))
+        return params

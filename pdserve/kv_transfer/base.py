@@ -1,0 +1,135 @@
+"""The KV connector contract: the one plug-in point for prefill/decode disaggregation.
+
+A connector has two halves. The scheduler half lives beside the scheduler and speaks requests,
+token counts and block ids; the worker half lives beside the model runner and moves bytes. They
+talk only through `ConnectorMeta` (scheduler → worker, once per step) and `KVConnectorOutput`
+(worker → scheduler, once per step). Neither the scheduler nor the model runner knows what
+transport sits underneath.
+
+Call points (same as vLLM v1's KVConnectorBase_V1):
+
+  scheduler, for a waiting request:
+    1. num, load_async = get_num_new_matched_tokens(request, num_computed_tokens)
+       num tokens beyond the local prefix-cache hit can come from outside; None = not known yet
+    2. the scheduler allocates blocks for local + external tokens, then calls
+       update_state_after_alloc(request, block_ids, num_external_tokens)
+       if load_async, the request parks in WAITING_FOR_REMOTE_KVS and uses no compute
+    3. meta = build_connector_meta(scheduler_output), once per step, even an empty one
+  worker, each step (also when no forward pass runs):
+    4. start_load_kv(meta) before the forward pass, wait_for_save() after it
+    5. finished_sending, finished_recving = get_finished(); invalid blocks from
+       get_block_ids_with_load_errors(); the engine passes these back to the scheduler
+  scheduler, when a request ends:
+    6. delay_free, params = request_finished(request, block_ids)
+       delay_free: keep the blocks until the request id shows up in finished_sending
+       params: kv_transfer_params to return to the client (P → proxy → D)
+
+The same contract fits pull (D reads from P), push (P writes into blocks D announced) and a
+store (P inserts, D drop-selects): only the halves' insides differ.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.core.batch import SchedulerOutput
+    from pdserve.core.request import Request
+
+
+@dataclass
+class ConnectorMeta:
+    """What the scheduler half tells the worker half for one step; each connector subclasses it."""
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """kv_transfer_params as they cross HTTP (vLLM's field names)."""
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_block_ids: list[int] = field(default_factory=list)
+    remote_host: str | None = None
+    remote_port: int | None = None
+    tp_size: int = 1
+    transfer_id: str | None = None
+    num_remote_tokens: int | None = None  # prompt tokens whose KV P computed
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "KVTransferParams | None":
+        if not data:
+            return None
+        if not isinstance(data, dict):
+            raise ValueError("kv_transfer_params: must be an object")
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        params = cls(**known)
+        if params.do_remote_prefill:
+            missing = [f for f in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+                       if getattr(params, f) is None]
+            if missing:
+                raise ValueError(f"kv_transfer_params: do_remote_prefill needs {', '.join(missing)}")
+            if not isinstance(params.remote_block_ids, list) or not all(
+                    isinstance(b, int) and b >= 0 for b in params.remote_block_ids):
+                raise ValueError("kv_transfer_params: remote_block_ids must be a list of block ids")
+        return params
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+class KVConnectorScheduler(ABC):
+    """Scheduler half. Pure Python: never imports torch or a transport."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens loadable from outside beyond num_computed_tokens, whether the load is async)."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        """Blocks are allocated for the request; remember which of them the load must fill."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ConnectorMeta:
+        """Everything the worker half must do this step; resets the half's per-step state."""
+
+    @abstractmethod
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """(delay_free, kv_transfer_params for the response)."""
+
+    def request_aborted_while_loading(self, request: "Request") -> None:
+        """The request was aborted in WAITING_FOR_REMOTE_KVS: cancel what has not started.
+        Its blocks stay allocated until the worker half reports it in finished_recving."""
+
+
+class KVConnectorWorker(ABC):
+    """Worker half: owns the transport and the registered KV memory."""
+
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        """Called once at start-up with the paged KV cache tensor(s)."""
+
+    @abstractmethod
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        """Start (or advance) loads and sends the meta asks for; must not block on the network."""
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: make sure KV produced this step is ready to be read remotely."""
+
+    @abstractmethod
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) request ids since the last call."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+    def get_stats(self) -> dict[str, float]:
+        """Counters for /metrics (kv_transfer_* names without the prefix)."""
+        return {}
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,32 @@
+"""Connector name → implementation: the only module that imports transports."""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
+from pdserve.kv_transfer.pull import PullConnectorScheduler
+
+CONNECTORS = ("loopback", "nixl")
+
+
+def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str, Any]
+                     ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
+    """Both halves of the configured connector, or (None, None) when disaggregation is off."""
+    if config.kv_connector is None:
+        return None, None
+    engine_id = config.engine_id or f"{config.kv_role}-{uuid.uuid4().hex[:8]}"
+    if config.kv_connector == "loopback":
+        from pdserve.kv_transfer.loopback import LoopbackConnectorWorker
+        worker: KVConnectorWorker = LoopbackConnectorWorker(config, engine_id)
+        host, port = "loopback", 0
+    elif config.kv_connector == "nixl":
+        from pdserve.kv_transfer.nixl import NixlConnectorWorker
+        worker = NixlConnectorWorker(config, engine_id, compat)
+        host, port = config.side_channel_host, worker.side_channel_port
+    else:
+        raise ValueError(f"kv_connector: expected one of {CONNECTORS}, got {config.kv_connector!r}")
+    scheduler = PullConnectorScheduler(engine_id, host, port, block_size,
+                                       is_producer=config.is_producer, is_consumer=config.is_consumer)
+    return scheduler, worker

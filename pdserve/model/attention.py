@@ -1,0 +1,130 @@
+"""Paged attention over the KV cache.
+
+KV cache layout (chosen for the handoff): ONE tensor for the whole model,
+    kv_cache = torch.empty(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    # [blocks, layers, k/v, slots, heads, dim]
+so a block holds every layer's K and V for block_size tokens, contiguous in memory: a run of
+consecutive block ids is one contiguous byte range, one transfer descriptor. Layer i sees the view
+kv_cache[:, i]  # [blocks, 2, slots, heads, dim]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """A flattened batch of num_tokens query tokens from num_seqs sequences (no padding).
+
+    Sequence i owns query tokens [query_start_loc[i], query_start_loc[i+1]); those are its
+    positions [seq_lens[i] - query_len_i, seq_lens[i]); its earlier tokens are already in the cache.
+    """
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32, on the model's device
+    seq_lens: torch.Tensor          # [num_seqs] int32: context length after this step
+    block_tables: torch.Tensor      # [num_seqs, max_num_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor      # [num_tokens] int64: block_id * block_size + offset
+    query_lens_cpu: list[int]       # host copies so the reference path needs no device sync
+    seq_lens_cpu: list[int]
+    block_size: int
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, block_size: int) -> None:
+    """Store this step's keys and values in the cache, in place.
+
+    kv_layer: [blocks, 2, slots, kv_heads, dim] (the view kv_cache[:, layer]); k, v: [T, kv_heads, dim];
+    token t goes to block slot_mapping[t] // block_size, slot slot_mapping[t] % block_size.
+    """
+    block_ids = slot_mapping // block_size  # [T]
+    offsets = slot_mapping % block_size     # [T]
+    kv_layer[block_ids, 0, offsets] = k
+    kv_layer[block_ids, 1, offsets] = v
+
+
+def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Attention of a flattened mixed batch over the paged cache (this step's K/V already written).
+
+    q: [T, heads, dim]; kv_layer: [blocks, 2, slots, kv_heads, dim]; returns [T, heads, dim].
+    Query token j of sequence i sits at position seq_len_i - query_len_i + j and attends to every
+    position <= its own (causal inside the new tokens, full over the cached prefix). GQA when
+    heads > kv_heads.
+    """
+    # Dispatch point: fast GPU kernels (a later issue) take over here, e.g.
+    #   if q.is_cuda and fast_kernels_available: return paged_attention_cuda(q, kv_layer, md, scale)
+    # The torch reference below stays the ground truth they are tested against.
+    return paged_attention_reference(q, kv_layer, md, scale)
+
+
+def paged_attention_reference(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+    """Plain torch: every single-token (decode) sequence in one padded gather + one SDPA call;
+    each multi-token (prefill chunk) sequence in its own SDPA call. Reads only host lists for
+    control flow, so it makes no device sync."""
+    out = torch.empty_like(q)
+    decode_seq_ids: list[int] = []
+    decode_token_ids: list[int] = []
+    token_start = 0
+    for seq_id, (query_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
+        if query_len == 1:
+            decode_seq_ids.append(seq_id)
+            decode_token_ids.append(token_start)
+        elif query_len > 1:
+            token_end = token_start + query_len
+            out[token_start:token_end] = _prefill_attention(
+                q[token_start:token_end], kv_layer, md.block_tables[seq_id], seq_len, md.block_size, scale)
+        token_start += query_len
+    if not decode_seq_ids:
+        return out
+    if len(decode_seq_ids) == len(md.seq_lens_cpu):  # a pure decode batch: no gather of the inputs
+        out[:] = _decode_attention(q, kv_layer, md.block_tables, md.seq_lens,
+                                   max(md.seq_lens_cpu), md.block_size, scale)
+        return out
+    seq_index = torch.tensor(decode_seq_ids, device=q.device)
+    token_index = torch.tensor(decode_token_ids, device=q.device)
+    out[token_index] = _decode_attention(
+        q[token_index], kv_layer, md.block_tables[seq_index], md.seq_lens[seq_index],
+        max(md.seq_lens_cpu[i] for i in decode_seq_ids), md.block_size, scale)
+    return out
+
+
+def _prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor,
+                       seq_len: int, block_size: int, scale: float) -> torch.Tensor:
+    """One sequence's chunk. q: [query_len, heads, dim]; block_table: [max_num_blocks]."""
+    query_len = q.shape[0]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks]
+    k = kv_layer[:, 0][blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, dim]
+    v = kv_layer[:, 1][blocks].flatten(0, 1)[:seq_len]
+    if query_len == seq_len:  # no cached prefix: plain causal
+        mask, is_causal = None, True
+    else:  # query j at position seq_len - query_len + j sees keys 0 .. that position
+        key_pos = torch.arange(seq_len, device=q.device)
+        query_pos = key_pos[seq_len - query_len:]
+        mask, is_causal = key_pos[None, :] <= query_pos[:, None], False  # [query_len, seq_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [heads, len, dim]
+        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)  # [query_len, heads, dim]
+
+
+def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, max_seq_len: int, block_size: int,
+                      scale: float) -> torch.Tensor:
+    """n single-token queries, padded to the longest context. q: [n, heads, dim];
+    block_tables: [n, max_num_blocks]; seq_lens: [n] (device)."""
+    num_blocks = -(-max_seq_len // block_size)
+    blocks = block_tables[:, :num_blocks]                                   # [n, num_blocks]
+    k = kv_layer[:, 0][blocks].flatten(1, 2)[:, :max_seq_len]                # [n, L, kv_heads, dim]
+    v = kv_layer[:, 1][blocks].flatten(1, 2)[:, :max_seq_len]
+    mask = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # [n, L]
+    # Padded slots hold stale or never-written memory (maybe NaN, and 0 * NaN = NaN): zero them.
+    k = torch.where(mask[:, :, None, None], k, 0)
+    v = torch.where(mask[:, :, None, None], v, 0)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),  # [n, heads, 1, dim], [n, kv_heads, L, dim]
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    return out[:, :, 0]  # [n, heads, dim]

@@ -1,0 +1,160 @@
+"""P/D lifecycle at the scheduler level with the loopback connector (no torch)."""
+import pytest
+
+from pdserve.config import KVTransferConfig
+from pdserve.core.request import Request, RequestStatus
+from pdserve.kv_transfer.factory import create_connector
+from pdserve.sampling_params import SamplingParams
+
+from tests.core.helpers import FakeRunner, assert_no_leaks, fake_token, make_scheduler, run_to_completion
+
+BS = 4
+
+
+class Instance:
+    def __init__(self, role, name, num_blocks=64, clock=None, **cfg):
+        config = KVTransferConfig(kv_connector="loopback", kv_role=role, engine_id=name, **cfg)
+        self.conn_s, self.conn_w = create_connector(config, BS, {})
+        if clock is not None:
+            self.conn_w.clock = clock
+        self.s = make_scheduler(num_blocks=num_blocks, block_size=BS, connector=self.conn_s,
+                                policy=config.kv_load_failure_policy)
+        self.runner = FakeRunner(num_blocks, self.conn_w)
+
+    def step(self):
+        out = self.s.schedule()
+        return out, self.s.update_from_output(out, self.runner.execute(out))
+
+    def drain(self):
+        return run_to_completion(self.s, self.runner)
+
+    def close(self):
+        self.conn_w.shutdown()
+
+
+@pytest.fixture
+def pd():
+    p, d = Instance("producer", "P"), Instance("consumer", "D")
+    yield p, d
+    p.close(), d.close()
+
+
+def run_p(p, rid, prompt):
+    p.s.add_request(Request(rid, prompt, SamplingParams(max_tokens=1),
+                            kv_transfer_params={"do_remote_decode": True}))
+    while True:
+        _, updates = p.step()
+        for u in updates:
+            if u.finished:
+                assert u.request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+                return u.kv_transfer_params
+
+
+@pytest.mark.parametrize("prompt_len", [1, 4, 8, 13])
+def test_pull_handoff_identical_to_colocated(pd, prompt_len):
+    p, d = pd
+    prompt = list(range(100, 100 + prompt_len))
+    params = run_p(p, "req", prompt)
+    assert params["do_remote_prefill"] and params["remote_engine_id"] == "P"
+    assert len(params["remote_block_ids"]) == -(-prompt_len // BS)
+    assert p.s.num_blocks_held_for_transfer == len(params["remote_block_ids"])
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=6), kv_transfer_params=params))
+    out = d.s.schedule()
+    assert out.is_empty and d.s.num_waiting_for_remote_kvs == 1  # parked: no compute
+    d.s.update_from_output(out, d.runner.execute(out))
+    results, _ = d.drain()
+    assert results["req"] == [fake_token(prompt_len - 1 + i) for i in range(6)]
+    # D's loaded blocks hold P's content (the fake KV is whatever P's runner left there: None here),
+    # and P frees its held blocks once D's read is done.
+    p.drain()
+    assert d.conn_w.stats["kv_transfer_descriptors_total"] == len(params["remote_block_ids"])
+    assert_no_leaks(p.s)
+    assert_no_leaks(d.s)
+
+
+def test_d_prefix_cache_hit_loads_only_the_rest(pd):
+    p, d = pd
+    prompt = list(range(50, 63))  # 13 tokens: 3 full blocks + 1
+    d.s.add_request(Request("warm", prompt[:9], SamplingParams(max_tokens=1)))
+    d.drain()
+    params = run_p(p, "req", prompt)
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=3), kv_transfer_params=params))
+    d.step()
+    results, _ = d.drain()
+    assert results["req"] == [fake_token(12 + i) for i in range(3)]
+    assert d.conn_w.stats["kv_transfer_descriptors_total"] == 2  # blocks 2 and 3 only
+    p.drain()
+    assert_no_leaks(p.s), assert_no_leaks(d.s)
+
+
+def test_lease_expiry_frees_p_blocks():
+    now = [0.0]
+    p = Instance("producer", "P2", clock=lambda: now[0], lease_seconds=5)
+    try:
+        run_p(p, "req", list(range(10)))
+        p.step()
+        assert p.s.num_blocks_held_for_transfer == 3
+        now[0] = 4.0
+        p.step()
+        assert p.s.num_blocks_held_for_transfer == 3
+        now[0] = 5.5
+        p.step()
+        assert p.conn_w.stats["kv_lease_expirations_total"] == 1
+        assert_no_leaks(p.s)
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("policy,injected", [("fail", "all"), ("fail", "last_block"),
+                                             ("recompute", "all"), ("recompute", "last_block")])
+def test_load_failure_policies(policy, injected):
+    p = Instance("producer", "P3")
+    d = Instance("consumer", "D3", kv_load_failure_policy=policy, extra={"inject_read_failure": injected})
+    try:
+        prompt = list(range(7, 20))
+        params = run_p(p, "req", prompt)
+        d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params))
+        results, statuses = d.drain()
+        if policy == "fail":
+            assert statuses["req"][0] == RequestStatus.FINISHED_ERROR
+            assert results["req"] == []
+        else:
+            assert results["req"] == [fake_token(12 + i) for i in range(4)]
+        p.drain()
+        assert_no_leaks(p.s), assert_no_leaks(d.s)
+        # Bad blocks never enter D's prefix cache.
+        assert d.s.kv.get_computed_blocks(Request("x", prompt, SamplingParams()))[1] <= (
+            12 if policy == "recompute" and injected == "last_block" else 12)
+    finally:
+        p.close(), d.close()
+
+
+def test_abort_while_waiting_for_remote_kvs_frees_after_load(pd):
+    p, d = pd
+    prompt = list(range(30))
+    params = run_p(p, "req", prompt)
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params))
+    out = d.s.schedule()  # allocates and parks; the load is handed to the worker half
+    assert d.s.num_waiting_for_remote_kvs == 1
+    d.s.abort_requests(["req"])
+    assert d.s.kv.num_free_blocks < 64  # blocks stay while a read may still write
+    d.s.update_from_output(out, d.runner.execute(out))
+    results, statuses = d.drain()
+    p.drain()
+    assert_no_leaks(p.s), assert_no_leaks(d.s)
+
+
+def test_abort_before_the_load_starts_releases_p(pd):
+    p, d = pd
+    prompt = list(range(30))
+    params = run_p(p, "req", prompt)
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params))
+    out = d.s.schedule()
+    d.s.abort_requests(["req"])
+    out2 = d.s.schedule()  # the cancel reaches the worker in the same meta flow
+    d.runner.connector.start_load_kv(out.connector_meta)
+    d.runner.connector.start_load_kv(out2.connector_meta)
+    d.drain()
+    p.drain()
+    assert d.conn_w.stats["kv_transfer_descriptors_total"] == 0
+    assert_no_leaks(p.s), assert_no_leaks(d.s)
