@@ -60,10 +60,6 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                "max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
-                f"({self.max_num_batched_tokens} < {self.max_model_len})")
 
 
 KV_ROLES = ("producer", "consumer", "both")

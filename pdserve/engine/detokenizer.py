@@ -1,0 +1,56 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded in a small window of tokens (a few prompt tokens of context, so a leading space
+is kept) and only emitted once it no longer ends in a partial UTF-8 character. Stop strings can
+span token boundaries: the last (longest stop string - 1) characters are held back until the
+request finishes or the text moves past them; a stop string ends the request and is cut from the
+output.
+"""
+from __future__ import annotations
+
+from pdserve.sampling_params import SamplingParams
+
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""       # all output text so far
+        self.emitted = 0     # characters of self.text already handed out
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, new_token_ids: list[int]) -> bool:
+        """Add tokens; True when a stop string was found (the request must stop)."""
+        if self.tokenizer is None or self.stopped:
+            return False
+        before = len(self.text)
+        for token_id in new_token_ids:
+            self.tokens.append(token_id)
+            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+            full = self._decode(self.tokens[self.prefix_offset:])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.text += full[len(prefix):]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        if self.stop and len(self.text) > before:
+            search_from = max(0, before - self.hold)
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+            if hits:
+                index, s = min(hits)
+                self.text = self.text[:index + len(s)] if self.include_stop else self.text[:index]
+                self.stopped = True
+        return self.stopped
+
+    def take_new_text(self, finished: bool) -> str:
+        end = len(self.text) if (finished or self.stopped) else max(self.emitted, len(self.text) - self.hold)
+        new, self.emitted = self.text[self.emitted:end], end
+        return new

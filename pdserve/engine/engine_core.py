@@ -1,0 +1,137 @@
+"""EngineCore: the only place where the scheduler, the model runner and the connector halves meet.
+
+step(): schedule → execute → update, then turn each request's progress into a RequestOutput
+(incremental text, stop strings, finish reason, kv_transfer_params for P's response).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.core.request import Request, RequestStatus
+from pdserve.core.scheduler import RequestUpdate, Scheduler
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.kv_transfer.factory import create_connector
+from pdserve.model.loader import load_tokenizer, resolve_model_path
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+from pdserve.worker.model_runner import ModelRunner, resolve_device_and_dtype
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None) -> None:
+        config.validate()
+        self.config = config
+        if config.cpu_affinity:
+            os.sched_setaffinity(0, config.cpu_affinity)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        mc = config.model
+        mc.model = resolve_model_path(mc.model)
+        self.tokenizer = load_tokenizer(mc.model)
+        device, dtype = resolve_device_and_dtype(mc)
+        # The connector is built after the runner: its compatibility hash needs the model's identity.
+        self.runner = ModelRunner(mc, config.cache, None, num_blocks)
+        info = self.runner.info
+        self.max_model_len = min(mc.max_model_len or info.max_model_len, info.max_model_len)
+        if not config.scheduler.enable_chunked_prefill:
+            # A prompt must fit in one step's token budget when it cannot be split.
+            self.max_model_len = min(self.max_model_len, config.scheduler.max_num_batched_tokens)
+        compat = {"model": info.identity, "dtype": str(dtype).removeprefix("torch."),
+                  "block_size": config.cache.block_size,
+                  "kv_layout": "blocks,layers,kv,slots,heads,dim",
+                  "kv_shape": "x".join(map(str, self.runner.kv_cache.shape[1:]))}
+        connector_scheduler, self.connector_worker = create_connector(
+            config.kv_transfer, config.cache.block_size, compat)
+        if self.connector_worker is not None:
+            self.runner.connector = self.connector_worker
+            self.connector_worker.register_kv_caches(self.runner.kv_cache)
+        self.engine_id = getattr(connector_scheduler, "engine_id", None)
+
+        sc = config.scheduler
+        sc.max_model_len = self.max_model_len
+        kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                            config.cache.enable_prefix_caching,
+                            hash_extra=f"{info.identity}:{dtype}")
+        self.scheduler = Scheduler(sc, kv, connector_scheduler,
+                                   config.kv_transfer.kv_load_failure_policy)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.eos_token_ids = info.eos_token_ids
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params: dict | None = None) -> None:
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens, the model's length is "
+                             f"{self.max_model_len}")
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
+                          self.max_model_len, kv_transfer_params)
+        self.scheduler.add_request(request)
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(out)
+        updates = self.scheduler.update_from_output(out, runner_output)
+        self.last_step_was_empty = out.is_empty
+        return [self._make_output(u) for u in updates]
+
+    def _make_output(self, update: RequestUpdate) -> RequestOutput:
+        request = update.request
+        detok = self.detokenizers[request.request_id]
+        params = update.kv_transfer_params
+        if detok.update(update.new_token_ids) and not request.is_finished:
+            params = self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        finished = request.is_finished
+        error = request.error
+        if request.status == RequestStatus.FINISHED_ERROR and self.connector_worker is not None:
+            error = getattr(self.connector_worker, "get_load_error", lambda _: None)(
+                request.request_id) or error
+        output = RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=update.new_token_ids,
+            new_text=detok.take_new_text(finished),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            finish_reason=request.status.finish_reason if finished else None,
+            num_cached_tokens=request.num_cached_tokens,
+            kv_transfer_params=params,
+            error=error,
+        )
+        if finished:
+            del self.detokenizers[request.request_id]
+        return output
+
+    def stats(self) -> dict:
+        s, kv = self.scheduler, self.scheduler.kv
+        stats = {
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": s.num_waiting,
+            "num_requests_waiting_for_remote_kvs": s.num_waiting_for_remote_kvs,
+            "num_blocks_held_for_transfer": s.num_blocks_held_for_transfer,
+            "kv_cache_usage_perc": kv.usage,
+            "prefix_cache_queries_total": kv.prefix_cache_queries,
+            "prefix_cache_hits_total": kv.prefix_cache_hits,
+        }
+        if self.connector_worker is not None:
+            worker_stats = self.connector_worker.get_stats()
+            worker_stats.pop("num_blocks_held_for_transfer", None)  # the scheduler's count is exact
+            stats.update(worker_stats)
+        return stats
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()

@@ -1,0 +1,41 @@
+"""Size and allocate the paged KV cache.
+
+One tensor for the whole model, block-major (see model/attention.py):
+    kv_cache = torch.empty(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+so a request's run of consecutive blocks is one contiguous byte range: the KV handoff moves it as
+one descriptor instead of one per layer per block.
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import CacheConfig
+from pdserve.model.loader import ModelInfo
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+GPU_ACTIVATION_RESERVE_BYTES = 4 << 30  # activations, logits and CUDA graphs live outside the cache
+
+
+def block_bytes(info: ModelInfo, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return info.num_layers * 2 * block_size * info.num_kv_heads * info.head_dim * elem
+
+
+def kv_cache_budget(cache: CacheConfig, device: torch.device) -> int:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return int(total * cache.gpu_memory_utilization) - used - GPU_ACTIVATION_RESERVE_BYTES
+    return cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+
+
+def allocate_kv_cache(info: ModelInfo, cache: CacheConfig, dtype: torch.dtype,
+                      device: torch.device, num_blocks: int | None = None) -> torch.Tensor:
+    per_block = block_bytes(info, cache.block_size, dtype)
+    if num_blocks is None:
+        num_blocks = kv_cache_budget(cache, device) // per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory: too small for one block of {per_block} bytes")
+    # [blocks, layers, k/v, slots, heads, dim]
+    return torch.zeros(num_blocks, info.num_layers, 2, cache.block_size, info.num_kv_heads,
+                       info.head_dim, dtype=dtype, device=device)
