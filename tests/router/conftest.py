@@ -1,0 +1,213 @@
+"""Fake prefill / decode / colocated instances and the proxy, all in-process on 127.0.0.1.
+
+Servers run on an event loop in a background thread, so tests can drive them with blocking clients
+(the official openai client, urllib) from the test thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+
+from pdserve import protocol
+from pdserve.router.proxy import build_proxy_app
+
+MODEL = "fake-model"
+PIECES = ["Hello", " from", " D"]          # what a decode instance generates
+D_USAGE = protocol.usage(7, len(PIECES))   # D saw the whole prompt
+P_USAGE = protocol.usage(7, 1)
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict
+    body: dict
+
+
+@dataclass
+class FakeBackend:
+    """One instance. role: prefill | decode | colocated. mode picks a behaviour (see handle)."""
+    role: str
+    mode: str = "ok"
+    url: str = ""
+    received: list[Received] = field(default_factory=list)
+    sent: bytearray = field(default_factory=bytearray)   # raw bytes of the last streamed answer
+    disconnected: threading.Event = field(default_factory=threading.Event)
+    problems: list[str] = field(default_factory=list)     # what the fake found wrong in its requests
+
+    @property
+    def kv_transfer_params(self) -> dict:
+        """What this instance hands out as prefill (D checks it gets exactly this)."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.url,
+                "remote_request_id": "r-1", "remote_block_ids": [3, 4], "remote_host": "127.0.0.1",
+                "remote_port": 5555, "tp_size": 1}
+
+    def check(self, is_ok: bool, what: str) -> None:
+        if not is_ok:
+            self.problems.append(what)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(Received(request.path, request.headers.copy(), body))
+        is_chat = request.path.endswith("/chat/completions")
+        if self.mode in ("http500", "http400"):
+            status = int(self.mode[4:])
+            return web.json_response(protocol.error_body(f"{self.role} says {status}", status=status), status=status)
+        if self.mode == "slow":  # a long prefill, until the client goes away
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                self.disconnected.set()
+                raise
+        if self.role == "prefill":
+            return self.prefill(body, is_chat)
+        if self.role == "decode":
+            self.check(body.get("kv_transfer_params", {}).get("remote_engine_id", "").startswith("http://"),
+                       f"decode got kv_transfer_params {body.get('kv_transfer_params')}")
+        if self.mode == "silent":
+            await asyncio.sleep(5)
+        if body.get("stream"):
+            return await self.stream(request, body, is_chat)
+        make = protocol.chat_response if is_chat else protocol.completion_response
+        return web.json_response(make("id-d", MODEL, "".join(PIECES), "stop", D_USAGE))
+
+    def prefill(self, body: dict, is_chat: bool) -> web.Response:
+        self.check(body.get("kv_transfer_params") == {"do_remote_decode": True}, "prefill kv_transfer_params")
+        self.check(body.get("max_tokens") == 1 and body.get("stream") is False, "prefill max_tokens/stream")
+        self.check("stream_options" not in body, "prefill got stream_options")
+        self.check(not is_chat or body.get("max_completion_tokens") == 1, "prefill max_completion_tokens")
+        make = protocol.chat_response if is_chat else protocol.completion_response
+        params = None if self.mode == "no_kv" else self.kv_transfer_params
+        return web.json_response(make("id-p", MODEL, "P!", "length", P_USAGE, kv_transfer_params=params))
+
+    async def stream(self, request: web.Request, body: dict, is_chat: bool) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        self.sent.clear()
+
+        async def send(data: bytes) -> None:
+            self.sent += data
+            await out.write(data)
+
+        try:
+            if self.mode == "endless":  # until the client goes away
+                while True:
+                    await send(protocol.sse_event(protocol.completion_chunk("id-d", MODEL, 0, "x")))
+                    await asyncio.sleep(0.02)
+            for i, piece in enumerate(PIECES):
+                if is_chat:
+                    delta = {"role": "assistant", "content": piece} if i == 0 else {"content": piece}
+                    chunk = protocol.chat_chunk("id-d", MODEL, 0, delta)
+                else:
+                    chunk = protocol.completion_chunk("id-d", MODEL, 0, piece)
+                await send(protocol.sse_event(chunk))
+                if self.mode == "die_mid_stream":
+                    request.transport.close()  # a crash: no final chunk of the chunked encoding
+                    return out
+            await send(protocol.sse_event(protocol.chat_chunk("id-d", MODEL, 0, {}, "stop") if is_chat
+                                          else protocol.completion_chunk("id-d", MODEL, 0, "", "stop")))
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await send(protocol.sse_event(protocol.usage_chunk("id-d", MODEL, 0, D_USAGE, chat=is_chat)))
+            await send(protocol.SSE_DONE)
+            await out.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.disconnected.set()
+            raise
+        return out
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.received.append(Received(request.path, request.headers.copy(), {}))
+        return web.json_response(protocol.models_response(MODEL, 2048))
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        return app
+
+
+class Harness:
+    """Starts fake backends and a proxy on the background loop; stops them all at teardown."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.runners: list[web.AppRunner] = []
+        self.backends: list[FakeBackend] = []
+        self.proxy_app: web.Application | None = None
+
+    def run(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self, app: web.Application) -> str:
+        # handler_cancellation as in run_proxy: a client disconnect cancels the handler
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        self.runners.append(runner)
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    def backend(self, role: str, mode: str = "ok") -> FakeBackend:
+        backend = FakeBackend(role, mode)
+        backend.url = self.run(self._start(backend.app()))
+        self.backends.append(backend)
+        return backend
+
+    def proxy(self, prefill=(), decode=(), colocated=None, **kwargs) -> str:
+        urls = [[b if isinstance(b, str) else b.url for b in pool] for pool in (prefill, decode, colocated or ())]
+        self.proxy_app = build_proxy_app(urls[0], urls[1], urls[2] or None, **kwargs)
+        return self.run(self._start(self.proxy_app))
+
+    async def _cleanup(self) -> None:
+        for runner in reversed(self.runners):
+            await runner.cleanup()
+
+
+def dead_url() -> str:
+    """A port nothing listens on: connection refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture(scope="session")
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+@pytest.fixture
+def harness(loop):
+    harness = Harness(loop)
+    yield harness
+    harness.run(harness._cleanup())
+    problems = [p for b in harness.backends for p in b.problems]
+    assert not problems, problems  # leak check of sorts: no fake saw a malformed hop
+
+
+def post_raw(url: str, path: str, body: dict, headers: dict | None = None, timeout: float = 10.0):
+    """POST with urllib; returns (status, headers, raw body bytes) for any status."""
+    import urllib.error
+    import urllib.request
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()

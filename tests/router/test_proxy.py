@@ -1,0 +1,244 @@
+"""The proxy against fake P and D instances: the P/D lifecycle, failures, disconnects, colocated mode."""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from pdserve import protocol
+from pdserve.router.proxy import PROXY_KEY, add_proxy_arguments, build_proxy_app
+
+from .conftest import D_USAGE, MODEL, PIECES, dead_url, post_raw
+
+PROMPT_BODY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16}
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+
+
+def client(url: str, api_key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=10)
+
+
+def ask(url: str, *, is_chat: bool, is_stream: bool) -> tuple[str, dict | None]:
+    """One request through the official client; returns (text, usage)."""
+    c = client(url)
+    options = {"stream": True, "stream_options": {"include_usage": True}} if is_stream else {}
+    if is_chat:
+        answer = c.chat.completions.create(model=MODEL, messages=CHAT_BODY["messages"], max_tokens=16, **options)
+    else:
+        answer = c.completions.create(model=MODEL, prompt=PROMPT_BODY["prompt"], max_tokens=16, **options)
+    if not is_stream:
+        choice = answer.choices[0]
+        return (choice.message.content if is_chat else choice.text), answer.usage.model_dump()
+    text, usage = "", None
+    for chunk in answer:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if is_chat else choice.text
+    return text, usage
+
+
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+
+
+def error_of(raw: bytes) -> dict:
+    return json.loads(raw)["error"]
+
+
+@pytest.mark.parametrize("is_stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("is_chat", [False, True], ids=["completions", "chat"])
+def test_pd_round_trip(harness, is_chat, is_stream):
+    p, d = harness.backend("prefill"), harness.backend("decode")
+    url = harness.proxy([p], [d])
+
+    text, usage = ask(url, is_chat=is_chat, is_stream=is_stream)
+
+    assert text == "".join(PIECES)                                  # D's content, not P's "P!"
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (D_USAGE["prompt_tokens"], len(PIECES))
+    [p_hop], [d_hop] = p.received, d.received
+    assert p_hop.path == d_hop.path == ("/v1/chat/completions" if is_chat else "/v1/completions")
+    assert p_hop.body["stream"] is False and p_hop.body["max_tokens"] == 1  # the fake P also checks these
+    assert d_hop.body["kv_transfer_params"] == p.kv_transfer_params
+    assert d_hop.body["max_tokens"] == 16 and d_hop.body.get("stream", False) is is_stream
+    assert ("stream_options" in d_hop.body) is is_stream
+    assert p_hop.headers["X-Request-Id"] == d_hop.headers["X-Request-Id"]
+
+
+def test_sse_passthrough_is_byte_for_byte(harness):
+    p, d = harness.backend("prefill"), harness.backend("decode")
+    url = harness.proxy([p], [d])
+    status, headers, raw = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True),
+                                    headers={"X-Request-Id": "client-id-7"})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert raw == bytes(d.sent) and raw.endswith(protocol.SSE_DONE)
+    assert p.received[0].headers["X-Request-Id"] == d.received[0].headers["X-Request-Id"] == "client-id-7"
+
+
+@pytest.mark.parametrize("failure", ["refused", "http500"])
+def test_failed_prefill_is_retried_on_another_prefill(harness, failure):
+    bad = dead_url() if failure == "refused" else harness.backend("prefill", "http500")
+    good, d = harness.backend("prefill"), harness.backend("decode")
+    url = harness.proxy([bad, good], [d])
+
+    assert ask(url, is_chat=False, is_stream=False)[0] == "".join(PIECES)
+    assert len(good.received) == 1
+    assert d.received[0].body["kv_transfer_params"]["remote_engine_id"] == good.url
+    assert metrics(url)["pdserve:proxy_prefill_retries_total"] == 1
+
+
+def test_all_prefills_down_gives_502_naming_the_backend(harness):
+    bad_urls, d = [dead_url(), dead_url()], harness.backend("decode")
+    url = harness.proxy(bad_urls, [d])
+    status, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert status == 502
+    error = error_of(raw)
+    assert "prefill backend http://127.0.0.1:" in error["message"] and error["code"] == 502
+    assert any(u in error["message"] for u in bad_urls)
+    assert d.received == []
+    with pytest.raises(openai.APIStatusError) as caught:  # the official client sees a clean error too
+        ask(url, is_chat=True, is_stream=True)
+    assert caught.value.status_code == 502
+
+
+def test_prefill_400_is_passed_through_without_retry(harness):
+    p1, p2, d = harness.backend("prefill", "http400"), harness.backend("prefill", "http400"), harness.backend("decode")
+    url = harness.proxy([p1, p2], [d])
+    status, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert status == 400 and error_of(raw)["message"] == "prefill says 400"
+    assert len(p1.received) + len(p2.received) == 1 and d.received == []
+
+
+def test_missing_kv_transfer_params_gives_502(harness):
+    p, d = harness.backend("prefill", "no_kv"), harness.backend("decode")
+    url = harness.proxy([p], [d])
+    status, _, raw = post_raw(url, "/v1/chat/completions", CHAT_BODY)
+    assert status == 502 and f"prefill backend {p.url}" in error_of(raw)["message"]
+    assert "kv_transfer_params" in error_of(raw)["message"] and d.received == []
+
+
+@pytest.mark.parametrize("mode,status", [("http500", 502), ("http400", 400), ("silent", 502)])
+def test_decode_failure_before_streaming(harness, mode, status):
+    p, d = harness.backend("prefill"), harness.backend("decode", mode)
+    url = harness.proxy([p], [d], timeout=0.3)
+    code, _, raw = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True))
+    assert code == status
+    message = error_of(raw)["message"]
+    assert message == "decode says 400" if status == 400 else f"decode backend {d.url} failed" in message
+
+
+def test_decode_dying_mid_stream_gives_sse_error_then_done(harness):
+    p, d = harness.backend("prefill"), harness.backend("decode", "die_mid_stream")
+    url = harness.proxy([p], [d])
+    status, _, raw = post_raw(url, "/v1/chat/completions", dict(CHAT_BODY, stream=True))
+    assert status == 200
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert protocol.parse_sse_data(events[0])["choices"][0]["delta"]["content"] == PIECES[0]
+    assert f"decode backend {d.url} failed" in protocol.parse_sse_data(events[-2])["error"]["message"]
+    assert events[-1] + b"\n\n" == protocol.SSE_DONE
+
+
+def test_client_disconnect_mid_stream_closes_the_decode_connection(harness):
+    p, d = harness.backend("prefill"), harness.backend("decode", "endless")
+    url = harness.proxy([p], [d])
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(dict(PROMPT_BODY, stream=True)).encode()
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = b""
+        while b"data: " not in received:          # until streaming has begun
+            received += sock.recv(65536)
+    assert d.disconnected.wait(5)                 # D saw its connection closed: it would abort
+    deadline = time.monotonic() + 5
+    while metrics(url)["pdserve:proxy_requests_in_flight"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metrics(url)["pdserve:proxy_client_disconnects_total"] == 1
+
+
+def test_client_disconnect_during_prefill_closes_the_prefill_connection(harness):
+    p, d = harness.backend("prefill", "slow"), harness.backend("decode")
+    url = harness.proxy([p], [d])
+    with pytest.raises(openai.APITimeoutError):
+        client(url).with_options(timeout=0.3).completions.create(model=MODEL, prompt="x", max_tokens=4)
+    assert p.disconnected.wait(5) and d.received == []
+
+
+def test_colocated_mode_round_robins_the_body_as_is(harness):
+    a, b = harness.backend("colocated"), harness.backend("colocated")
+    url = harness.proxy(colocated=[a, b])
+    for _ in range(2):
+        assert ask(url, is_chat=False, is_stream=False)[0] == "".join(PIECES)
+        assert ask(url, is_chat=True, is_stream=True)[0] == "".join(PIECES)
+    assert len(a.received) == len(b.received) == 2
+    assert all("kv_transfer_params" not in r.body and r.body["max_tokens"] == 16 for r in a.received + b.received)
+
+
+def test_metrics_count_requests_and_errors(harness):
+    p, d = harness.backend("prefill"), harness.backend("decode")
+    url = harness.proxy([p, dead_url()], [d])
+    ask(url, is_chat=False, is_stream=True)
+    post_raw(url, "/v1/chat/completions", CHAT_BODY)
+    d.mode = "http500"
+    post_raw(url, "/v1/completions", PROMPT_BODY)
+    post_raw(url, "/v1/completions", [1, 2])  # not a JSON object: 400 from the proxy
+    m = metrics(url)
+    assert m["pdserve:proxy_requests_total"] == 4
+    assert m["pdserve:proxy_request_errors_total"] == 2     # D's 500 and the proxy's own 400
+    assert m["pdserve:proxy_prefill_retries_total"] == 2    # requests 2 and 3 met the dead P first
+    assert m["pdserve:proxy_requests_in_flight"] == 0
+    assert m["pdserve:proxy_time_to_first_token_seconds_count"] == 2
+    assert m["pdserve:proxy_prefill_seconds_count"] == 3
+    assert m['pdserve:proxy_prefill_seconds_bucket{le="+Inf"}'] == 3
+
+
+def test_api_key_is_required_and_forwarded(harness):
+    p, d = harness.backend("prefill"), harness.backend("decode")
+    url = harness.proxy([p], [d], api_key="sekret")
+    with pytest.raises(openai.AuthenticationError):
+        client(url, api_key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=4)
+    assert p.received == []
+    answer = client(url, api_key="sekret").completions.create(model=MODEL, prompt="x", max_tokens=4)
+    assert answer.choices[0].text == "".join(PIECES)
+    assert p.received[0].headers["Authorization"] == d.received[0].headers["Authorization"] == "Bearer sekret"
+    assert [m.id for m in client(url, api_key="sekret").models.list()] == [MODEL]
+
+
+def test_health_reports_each_backend_and_models_come_from_the_first_decode(harness):
+    p, d1, d2 = harness.backend("prefill"), harness.backend("decode"), harness.backend("decode")
+    down = dead_url()
+    url = harness.proxy([p, down], [d1, d2])
+    with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+        assert resp.status == 200
+        health = json.load(resp)
+    assert [(b["url"], b["healthy"]) for b in health["backends"]["prefill"]] == [(p.url, True), (down, False)]
+    assert all(b["healthy"] for b in health["backends"]["decode"])
+    assert [m.id for m in client(url).models.list()] == [MODEL]
+    assert [r.path for r in d1.received] == ["/v1/models"] and d2.received == []
+
+
+def test_one_client_session_per_app(harness):
+    url = harness.proxy([harness.backend("prefill")], [harness.backend("decode")])
+    session = harness.proxy_app[PROXY_KEY].session
+    ask(url, is_chat=False, is_stream=False)
+    assert harness.proxy_app[PROXY_KEY].session is session and not session.closed
+
+
+def test_build_and_cli_validation():
+    with pytest.raises(ValueError, match="prefill_urls"):
+        build_proxy_app(["http://p:1"], [])
+    with pytest.raises(ValueError, match="colocated_urls"):
+        build_proxy_app(["http://p:1"], ["http://d:1"], ["http://c:1"])
+    parser = argparse.ArgumentParser()
+    add_proxy_arguments(parser)
+    args = parser.parse_args(["--prefill", "p:1", "p:2", "--decode", "d:1", "--port", "9000", "--api-key", "k"])
+    assert (args.prefill, args.decode, args.colocated, args.host, args.port, args.api_key) == \
+        (["p:1", "p:2"], ["d:1"], [], "127.0.0.1", 9000, "k")
+    assert parser.parse_args(["--colocated", "c:1", "c:2"]).colocated == ["c:1", "c:2"]
