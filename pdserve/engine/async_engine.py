@@ -45,6 +45,7 @@ def run_engine_process(config: EngineConfig, in_conn, out_conn) -> None:
         out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
     out_conn.send(("ready", {"max_model_len": core.max_model_len, "engine_id": core.engine_id,
+                             "vocab_size": core.runner.info.vocab_size,
                              "num_blocks": core.runner.num_blocks}))
     last_stats = 0.0
     was_busy = False
@@ -92,6 +93,7 @@ class AsyncEngine:
         self.served_model_name = served_model_name or config.model.served_model_name or config.model.model
         self.tokenizer = None
         self.max_model_len = 0
+        self.vocab_size: int | None = None
         self.engine_id: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats: dict[str, Any] = {}
@@ -117,6 +119,7 @@ class AsyncEngine:
             self.process.join(5)
             raise RuntimeError(f"engine failed to start: {payload}")
         self.max_model_len = payload["max_model_len"]
+        self.vocab_size = payload["vocab_size"]
         self.engine_id = payload["engine_id"]
         threading.Thread(target=self._receive_loop, daemon=True, name="pdserve-engine-out").start()
         threading.Thread(target=self._send_loop, daemon=True, name="pdserve-engine-in").start()

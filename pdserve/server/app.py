@@ -1,0 +1,483 @@
+"""OpenAI-compatible HTTP server over an AsyncEngine: routes, SSE, /health, /metrics.
+
+One generation request (POST /v1/completions or /v1/chat/completions), step by step:
+  1. middleware: the Bearer key when one is set (paths under /v1 only); every error leaves as
+     OpenAI-style JSON with its HTTP status, and an unexpected exception as a 500
+  2. parse the JSON body into a CompletionRequest / ChatCompletionRequest (protocol.py; 400 on error)
+  3. check the model name (404), turn the prompt into token ids (tokenizer or chat template, in one
+     tokenizer thread so the event loop keeps streaming), check the length against max_model_len (400)
+  4. engine.generate(request_id, prompt_token_ids, params, kv_transfer_params); the first output is
+     awaited before any byte is sent, so an engine that refuses the request (ValueError) gives a 400
+  5. stream: one SSE chunk per output with text, the finish reason on the last, then an optional usage
+     chunk and [DONE]; an engine error becomes an error event. Non-stream: collect, answer one JSON
+     body that also carries the engine's final kv_transfer_params (the P/D proxy reads them)
+  6. always: if the request did not finish (client gone, error, cancellation), close the engine's
+     output stream and engine.abort(request_id), so its blocks are freed
+
+A client that goes away cancels the handler: run_server/start_server turn on aiohttp's
+handler_cancellation; under a runner without it, a watcher task polls the transport and cancels the
+handler itself, and a failed SSE write ends a stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from pdserve import protocol
+from pdserve.metrics import CONTENT_TYPE, Registry, render_stats
+from pdserve.outputs import FinishReason, RequestOutput
+from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+METRIC_PREFIX = "pdserve:"
+MAX_BODY_BYTES = 64 * 1024 * 1024     # a 128k-token prompt as a JSON id list is about 1 MB
+DISCONNECT_POLL_S = 0.5
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+# Engine gauges and counters /metrics always shows, 0 until the engine reports them.
+ENGINE_STAT_DEFAULTS = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
+                        "prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0}
+ENGINE_STAT_HELP = {
+    "num_requests_running": "Requests in the running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0..1).",
+    "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
+    "num_requests_waiting_for_remote_kvs": "Requests waiting for KV from a remote prefill instance.",
+    "num_blocks_held_for_transfer": "Blocks held after finishing until a remote decode instance reads them.",
+    "kv_transfer_bytes_total": "Bytes of KV moved between instances.",
+    "kv_transfer_descriptors_total": "Transfer descriptors posted.",
+    "kv_transfer_failures_total": "KV transfers that failed.",
+    "kv_lease_expirations_total": "Held blocks freed because their lease expired.",
+    "kv_transfer_seconds": "Duration of one request's KV transfer.",
+}
+# Keys a client may not set through chat_template_kwargs: the server sets them.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt",
+                             "return_dict", "return_tensors", "padding", "truncation"}
+
+
+class ServerMetrics:
+    """What the server measures itself, per request, as the client sees it."""
+
+    def __init__(self) -> None:
+        self.registry = r = Registry(prefix=METRIC_PREFIX)
+        self.prompt_tokens = r.counter("prompt_tokens_total", "Prompt tokens of requests that produced output.")
+        self.generation_tokens = r.counter("generation_tokens_total", "Tokens generated.")
+        self.request_success = r.counter("request_success_total", "Requests finished with stop or length.")
+        self.request_failure = r.counter("request_failure_total", "Requests ended by an engine error.")
+        self.request_abort = r.counter("request_abort_total", "Requests aborted because the client went away.")
+        self.ttft = r.histogram("time_to_first_token_seconds", TTFT_BUCKETS,
+                                "Arrival at the server to the first generated token.")
+        self.itl = r.histogram("inter_token_latency_seconds", ITL_BUCKETS, "Time between generated tokens.")
+        self.e2e = r.histogram("e2e_request_latency_seconds", E2E_BUCKETS, "Arrival to the last token.")
+
+
+class _Generation:
+    """One request's outputs from the engine, timed for the metrics. close() aborts it in the engine
+    unless it finished."""
+
+    def __init__(self, engine: Any, metrics: ServerMetrics, request_id: str, prompt_token_ids: list[int],
+                 params: Any, kv_transfer_params: dict | None) -> None:
+        self.engine, self.metrics, self.request_id = engine, metrics, request_id
+        self.arrival = time.monotonic()
+        self.last_token_time: float | None = None
+        self.num_outputs = 0
+        self.is_finished = False       # the engine is done with it: nothing to abort
+        self._is_counted = False       # counted as a success, failure or abort
+        self._outputs = engine.generate(request_id, prompt_token_ids, params, kv_transfer_params)
+
+    async def next(self) -> RequestOutput:
+        """The next output; an engine failure comes back as an output with `error` set (and the request
+        still counts as unfinished, so close() makes sure the engine lets go of it)."""
+        try:
+            output = await self._outputs.__anext__()
+        except StopAsyncIteration:
+            output = _error_output(self.request_id, "the engine ended the request without a finish reason")
+        except ValueError as e:
+            if self.num_outputs == 0:   # the engine refused the request up front: the client's fault
+                self._is_counted = True
+                raise ProtocolError(400, str(e)) from None
+            output = _error_output(self.request_id, f"engine error: {e}")
+        except Exception as e:   # noqa: BLE001 - an engine failure ends this request, not the server
+            logger.exception("request %s: engine failed", self.request_id)
+            output = _error_output(self.request_id, f"engine error: {type(e).__name__}: {e}")
+        else:
+            self.is_finished = output.finished
+        self.num_outputs += 1
+        self._observe(output)
+        return output
+
+    def _observe(self, output: RequestOutput) -> None:
+        now, m = time.monotonic(), self.metrics
+        num_new = len(output.new_token_ids)
+        if num_new:
+            if self.last_token_time is None:
+                m.ttft.observe(now - self.arrival)
+                m.prompt_tokens.inc(output.num_prompt_tokens)
+                num_new_after_first, dt = num_new - 1, 0.0
+            else:
+                num_new_after_first, dt = num_new, now - self.last_token_time
+            for _ in range(num_new_after_first):   # a delta of k tokens counts as k gaps of dt/k
+                m.itl.observe(dt / num_new_after_first)
+            m.generation_tokens.inc(num_new)
+            self.last_token_time = now
+        if (output.finished or output.error is not None) and not self._is_counted:
+            self._is_counted = True
+            m.e2e.observe(now - self.arrival)
+            (m.request_failure if error_message(output) else m.request_success).inc()
+
+    @property
+    def is_done(self) -> bool:
+        """The outcome is known (finished, failed or refused): a client leaving now changes nothing."""
+        return self._is_counted
+
+    async def close(self) -> None:
+        if not self._is_counted:
+            self._is_counted = True
+            self.metrics.request_abort.inc()
+        try:
+            if self.is_finished:
+                # Let the engine's generator run to its end now (its cleanup too), not when it is
+                # garbage collected; closing it instead could read as an abort after the finish.
+                async for _ in self._outputs:
+                    logger.warning("request %s: output after the finish ignored", self.request_id)
+                return
+            self.is_finished = True
+            aclose = getattr(self._outputs, "aclose", None)
+            if aclose is not None:
+                await aclose()     # the engine's generator aborts the request when closed
+            await self.engine.abort(self.request_id)
+        except Exception:   # noqa: BLE001 - best effort; the request is gone either way
+            logger.exception("request %s: closing its output stream failed", self.request_id)
+
+
+def _error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, new_token_ids=[], new_text="", num_prompt_tokens=0,
+                         num_output_tokens=0, finish_reason=FinishReason.ERROR, error=message)
+
+
+def error_message(output: RequestOutput) -> str | None:
+    """Why the request failed, or None when it is fine so far."""
+    if output.error is not None:
+        return output.error
+    if output.finish_reason == FinishReason.ERROR:
+        return "the engine failed the request"
+    if output.finish_reason == FinishReason.ABORT:
+        return "the request was aborted by the engine"
+    return None
+
+
+def _finish_reason(output: RequestOutput) -> str | None:
+    reason = output.finish_reason
+    return None if reason is None else getattr(reason, "value", reason)
+
+
+def json_error(status: int, message: str, param: str | None = None,
+               headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.json_response(protocol.error_body(message, status=status, param=param), status=status,
+                             headers=headers)
+
+
+class OpenAIServer:
+    """Route handlers over one engine."""
+
+    def __init__(self, engine: Any, api_key: str | None = None) -> None:
+        self.engine = engine
+        self.api_key = api_key
+        self.metrics = ServerMetrics()
+        # One thread: tokenizers are not safe to share across threads, and the loop must not block.
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-tokenizer")
+
+    # ------------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            if self.api_key is not None and request.path.startswith("/v1"):
+                self._check_api_key(request)
+            return await handler(request)
+        except ProtocolError as e:
+            return json_error(e.status, e.message, e.param)
+        except web.HTTPException as e:   # 404, 405 (with its Allow header), 413 ...
+            if e.status < 400:
+                raise
+            headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
+            return json_error(e.status, f"{e.reason}: {request.method} {request.path}", headers=headers)
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as e:   # noqa: BLE001 - nothing a client sends may take the server down
+            logger.exception("%s %s failed", request.method, request.path)
+            return json_error(500, f"internal server error: {type(e).__name__}: {e}")
+
+    def _check_api_key(self, request: web.Request) -> None:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise ProtocolError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+
+    # ------------------------------------------------------------------ small routes
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(protocol.models_response(self.engine.served_model_name,
+                                                          self.engine.max_model_len))
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            is_healthy = bool(self.engine.is_healthy())
+        except Exception:   # noqa: BLE001
+            logger.exception("engine.is_healthy failed")
+            is_healthy = False
+        return web.Response(status=200) if is_healthy else json_error(503, "engine is not healthy")
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        try:
+            stats = {**ENGINE_STAT_DEFAULTS, **self.engine.stats()}
+        except Exception:   # noqa: BLE001 - the server's own metrics still render
+            logger.exception("engine.stats failed")
+            stats = dict(ENGINE_STAT_DEFAULTS)
+        text = self.metrics.registry.render() + render_stats(
+            stats, prefix=METRIC_PREFIX, skip=self.metrics.registry.names, helps=ENGINE_STAT_HELP)
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    # ------------------------------------------------------------------ generation routes
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = CompletionRequest.from_json(await _read_json(request))
+        self._check_model(req.model)
+        if isinstance(req.prompt, str):
+            tokenizer = self._require_tokenizer()
+            prompt_token_ids = await self._in_tokenizer_thread(lambda: _tokenize(tokenizer, req.prompt))
+        else:
+            prompt_token_ids = req.prompt
+        return await self._generate(request, req, prompt_token_ids, is_chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = ChatCompletionRequest.from_json(await _read_json(request))
+        self._check_model(req.model)
+        tokenizer = self._require_tokenizer()
+        prompt_token_ids = await self._in_tokenizer_thread(lambda: _apply_chat_template(tokenizer, req))
+        return await self._generate(request, req, prompt_token_ids, is_chat=True)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.served_model_name:
+            raise ProtocolError(400, f"the model {model!r} does not exist; this server serves "
+                                     f"{self.engine.served_model_name!r}", "model")
+
+    def _require_tokenizer(self) -> Any:
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if tokenizer is None:
+            raise ProtocolError(400, "this server has no tokenizer (dummy weights): only /v1/completions "
+                                     "with a prompt of token ids is supported", "prompt")
+        return tokenizer
+
+    async def _in_tokenizer_thread(self, fn: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
+
+    def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, prompt_token_ids: list[int]) -> int:
+        """vLLM's rule: refuse what does not fit; an unset max_tokens fills the model's length."""
+        num_prompt, max_model_len = len(prompt_token_ids), self.engine.max_model_len
+        if num_prompt == 0:
+            raise ProtocolError(400, "the prompt is empty after tokenization", "prompt")
+        vocab_size = getattr(self.engine, "vocab_size", None)
+        if vocab_size is not None and max(prompt_token_ids) >= vocab_size:
+            raise ProtocolError(400, f"token id {max(prompt_token_ids)} is out of the vocabulary "
+                                     f"(size {vocab_size})", "prompt")
+        if num_prompt >= max_model_len:   # no room for even one generated token
+            raise ProtocolError(400, f"this model's maximum context length is {max_model_len} tokens; "
+                                     f"the prompt has {num_prompt} tokens", "prompt")
+        if req.max_tokens is None:
+            return max_model_len - num_prompt
+        if num_prompt + req.max_tokens > max_model_len:
+            raise ProtocolError(400, f"this model's maximum context length is {max_model_len} tokens; you "
+                                     f"requested {num_prompt + req.max_tokens} tokens ({num_prompt} in the "
+                                     f"prompt, {req.max_tokens} in the completion)", "max_tokens")
+        return req.max_tokens
+
+    async def _generate(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest,
+                        prompt_token_ids: list[int], *, is_chat: bool) -> web.StreamResponse:
+        params = req.to_sampling_params(self._max_tokens(req, prompt_token_ids))
+        request_id = protocol.new_chat_completion_id() if is_chat else protocol.new_completion_id()
+        try:
+            generation = _Generation(self.engine, self.metrics, request_id, list(prompt_token_ids), params,
+                                     req.kv_transfer_params)
+        except ValueError as e:
+            raise ProtocolError(400, str(e)) from None
+        watcher = _watch_disconnect(request, generation)
+        try:
+            first = await generation.next()
+            if req.stream:
+                return await self._stream(request, req, generation, first, is_chat=is_chat)
+            return await self._collect(req, generation, first, is_chat=is_chat)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            await generation.close()
+
+    async def _collect(self, req: CompletionRequest | ChatCompletionRequest, generation: _Generation,
+                       output: RequestOutput, *, is_chat: bool) -> web.Response:
+        texts = []
+        while True:
+            if (message := error_message(output)) is not None:
+                return json_error(500, message)
+            texts.append(output.new_text)
+            if output.finished:
+                break
+            output = await generation.next()
+        build = protocol.chat_response if is_chat else protocol.completion_response
+        body = build(generation.request_id, self.engine.served_model_name, "".join(texts),
+                     _finish_reason(output), _usage(output), kv_transfer_params=output.kv_transfer_params)
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest,
+                      generation: _Generation, output: RequestOutput, *, is_chat: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        request_id, model, created = generation.request_id, self.engine.served_model_name, int(time.time())
+        try:
+            if is_chat:
+                await response.write(protocol.sse_event(protocol.chat_chunk(
+                    request_id, model, created, {"role": "assistant", "content": ""})))
+            while True:
+                if (message := error_message(output)) is not None:
+                    await response.write(protocol.sse_event(protocol.error_body(message, status=500)))
+                    break
+                finish_reason = _finish_reason(output)
+                if output.new_text or finish_reason is not None:
+                    if is_chat:
+                        delta = {"content": output.new_text} if output.new_text else {}
+                        chunk = protocol.chat_chunk(request_id, model, created, delta, finish_reason)
+                    else:
+                        chunk = protocol.completion_chunk(request_id, model, created, output.new_text,
+                                                          finish_reason)
+                    if finish_reason is not None and output.kv_transfer_params is not None:
+                        chunk["kv_transfer_params"] = output.kv_transfer_params
+                    await response.write(protocol.sse_event(chunk))
+                if output.finished:
+                    if req.include_usage:
+                        await response.write(protocol.sse_event(protocol.usage_chunk(
+                            request_id, model, created, _usage(output), chat=is_chat)))
+                    break
+                output = await generation.next()
+            await response.write(protocol.SSE_DONE)
+            await response.write_eof()
+        except ConnectionError:   # the client went away mid-stream; _generate's finally aborts
+            logger.debug("request %s: client disconnected", request_id)
+        except Exception as e:   # noqa: BLE001 - headers are out: report in-band, then end the stream
+            logger.exception("request %s: streaming failed", request_id)
+            with contextlib.suppress(Exception):
+                await response.write(protocol.sse_event(protocol.error_body(
+                    f"internal server error: {type(e).__name__}: {e}", status=500)))
+                await response.write(protocol.SSE_DONE)
+                await response.write_eof()
+        return response
+
+
+def _usage(output: RequestOutput) -> dict[str, Any]:
+    return protocol.usage(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
+
+
+async def _read_json(request: web.Request) -> Any:
+    body = await request.read()
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
+        raise ProtocolError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _tokenize(tokenizer: Any, text: str) -> list[int]:
+    try:
+        return [int(t) for t in tokenizer(text).input_ids]   # special tokens per the tokenizer's default
+    except Exception as e:   # noqa: BLE001 - e.g. lone surrogates the Rust tokenizer refuses
+        raise ProtocolError(400, f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt") from None
+
+
+def _apply_chat_template(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    kwargs = {k: v for k, v in req.chat_template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    try:
+        result = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                               tokenize=True, **kwargs)
+    except Exception as e:   # noqa: BLE001 - template errors (role order, missing template) are the request's
+        raise ProtocolError(400, f"cannot apply the chat template: {type(e).__name__}: {e}", "messages") from None
+    # transformers 5 returns a BatchEncoding (a Mapping), older versions a list of ids.
+    if isinstance(result, Mapping):
+        result = result["input_ids"]
+    if result and isinstance(result[0], list):
+        result = result[0]
+    return [int(t) for t in result]
+
+
+def _watch_disconnect(request: web.Request, generation: _Generation) -> asyncio.Task | None:
+    """Under a runner without handler_cancellation, cancel the handler when the client goes away."""
+    manager = getattr(request.protocol, "_manager", None)   # aiohttp internals; fall back to watching
+    if getattr(manager, "handler_cancellation", False):
+        return None
+    return asyncio.create_task(_cancel_when_gone(request, generation, asyncio.current_task()))
+
+
+async def _cancel_when_gone(request: web.Request, generation: _Generation, handler: asyncio.Task) -> None:
+    while not generation.is_done:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        transport = request.transport
+        if not generation.is_done and (transport is None or transport.is_closing()):
+            handler.cancel()
+            return
+
+
+SERVER_KEY = web.AppKey("pdserve_server", OpenAIServer)   # app[SERVER_KEY]: the handlers and their metrics
+
+
+def build_app(engine: Any, *, api_key: str | None = None) -> web.Application:
+    """The aiohttp application. Run it with handler_cancellation=True (as start_server does) so a client
+    that goes away aborts its request at once."""
+    server = OpenAIServer(engine, api_key=api_key)
+    app = web.Application(middlewares=[server.middleware], client_max_size=MAX_BODY_BYTES)
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", server.metrics_text)
+
+    async def shutdown_tokenizer_pool(app: web.Application) -> None:
+        server._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(shutdown_tokenizer_pool)
+    app[SERVER_KEY] = server
+    return app
+
+
+async def start_server(engine: Any, host: str = "127.0.0.1", port: int = 0, *,
+                       api_key: str | None = None, access_log: bool = False) -> tuple[web.AppRunner, int]:
+    """Start serving on the running loop; returns the runner (await runner.cleanup() to stop) and the
+    bound port (useful with port=0)."""
+    runner = web.AppRunner(build_app(engine, api_key=api_key), handler_cancellation=True,
+                           access_log=logging.getLogger("aiohttp.access") if access_log else None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_port = runner.addresses[0][1] if runner.addresses else port
+    return runner, bound_port
+
+
+def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               *, access_log: bool = False) -> None:
+    """Serve until SIGINT/SIGTERM (blocks). Creates its own event loop."""
+    web.run_app(build_app(engine, api_key=api_key), host=host, port=port, handler_cancellation=True,
+                access_log=logging.getLogger("aiohttp.access") if access_log else None,
+                print=lambda *args: logger.info("pdserve serving %s on http://%s:%d",
+                                                engine.served_model_name, host, port))
