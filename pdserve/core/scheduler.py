@@ -54,6 +54,7 @@ class Scheduler:
         self.held_for_transfer: dict[str, Request] = {}  # P: finished, blocks kept for a reader
         self.aborted_while_loading: dict[str, Request] = {}  # blocks kept until the load ends
         self._finished_ids: set[str] = set()            # tell the runner to drop state
+        self.num_preemptions = 0
         self._updates: list[RequestUpdate] = []         # finishes decided outside a step
 
     # -- intake ------------------------------------------------------------------------------
@@ -210,6 +211,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:

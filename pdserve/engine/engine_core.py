@@ -79,7 +79,8 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (
+            self.connector_worker is not None and self.connector_worker.num_pending_requests() > 0)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -125,6 +126,7 @@ class EngineCore:
             "kv_cache_usage_perc": kv.usage,
             "prefix_cache_queries_total": kv.prefix_cache_queries,
             "prefix_cache_hits_total": kv.prefix_cache_hits,
+            "num_preemptions_total": s.num_preemptions,
         }
         if self.connector_worker is not None:
             worker_stats = self.connector_worker.get_stats()

@@ -127,6 +127,11 @@ class KVConnectorWorker(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
 
+    def num_pending_requests(self) -> int:
+        """Requests this half still tracks (held, queued, in flight, or to report). While it is
+        above zero the engine keeps stepping, also with no request to compute."""
+        return 0
+
     def get_stats(self) -> dict[str, float]:
         """Counters for /metrics (kv_transfer_* names without the prefix)."""
         return {}

@@ -105,9 +105,8 @@ class LoopbackConnectorWorker(KVConnectorWorker):
     def get_stats(self) -> dict[str, float]:
         return {**self.stats, "num_blocks_held_for_transfer": sum(self._lease_blocks.values())}
 
-    @property
-    def has_pending_work(self) -> bool:
-        return bool(self._leases or self._pending or self._finished_recving)
+    def num_pending_requests(self) -> int:
+        return len(self._leases) + len(self._pending) + len(self._finished_recving)
 
     def shutdown(self) -> None:
         _REGISTRY.pop(self.engine_id, None)

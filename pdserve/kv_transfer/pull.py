@@ -88,7 +88,9 @@ class PullConnectorScheduler(KVConnectorScheduler):
         num_remote = params.num_remote_tokens or request.num_prompt_tokens
         num_remote = min(num_remote, request.num_prompt_tokens,
                          len(params.remote_block_ids) * self.block_size)
-        return max(0, num_remote - num_computed_tokens), True
+        num_new = num_remote - num_computed_tokens
+        # Nothing left to load (D's own prefix cache covers it): compute the rest locally.
+        return (num_new, True) if num_new > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int],
                                  num_external_tokens: int) -> None:

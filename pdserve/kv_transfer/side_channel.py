@@ -1,0 +1,121 @@
+"""The side channel beside a KV transport: small control messages over plain TCP.
+
+One request per connection: the client connects, sends one message, reads one reply, closes.
+A message is a JSON object plus an optional opaque blob (e.g. NIXL agent metadata):
+
+    [u32 json_len][u32 blob_len][json_len bytes of UTF-8 JSON][blob_len bytes]   # big-endian
+
+Every request has "type" and "version"; every reply has "ok" (and "error" when not ok). The
+server runs in its own thread (one short-lived thread per connection) and calls the handler the
+owner registered for the message type; handlers run off the engine thread, so the owner guards
+whatever they share with a lock and never touches the transport from them.
+No pyzmq: the GPU image lacks it, and one framed request/reply needs nothing more than sockets.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import socketserver
+import struct
+import threading
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+DEFAULT_TIMEOUT_S = 5.0
+_HEADER = struct.Struct(">II")
+_MAX_JSON_BYTES = 16 << 20
+_MAX_BLOB_BYTES = 64 << 20
+
+# handler(message, blob) -> (reply, reply_blob)
+Handler = Callable[[dict[str, Any], bytes], tuple[dict[str, Any], bytes]]
+
+
+def _recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
+    chunks, remaining = [], num_bytes
+    while remaining:
+        chunk = sock.recv(min(remaining, 1 << 20))
+        if not chunk:
+            raise ConnectionError(f"side channel: peer closed after {num_bytes - remaining} of {num_bytes} bytes")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def send_message(sock: socket.socket, message: dict[str, Any], blob: bytes = b"") -> None:
+    body = json.dumps(message).encode()
+    sock.sendall(_HEADER.pack(len(body), len(blob)) + body + blob)
+
+
+def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    json_len, blob_len = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if json_len > _MAX_JSON_BYTES or blob_len > _MAX_BLOB_BYTES:
+        raise ConnectionError(f"side channel: oversized message ({json_len} + {blob_len} bytes)")
+    message = json.loads(_recv_exact(sock, json_len))
+    if not isinstance(message, dict):
+        raise ConnectionError("side channel: message is not a JSON object")
+    return message, _recv_exact(sock, blob_len)
+
+
+def request(host: str, port: int, message: dict[str, Any], blob: bytes = b"",
+            timeout: float = DEFAULT_TIMEOUT_S) -> tuple[dict[str, Any], bytes]:
+    """Send one message and wait for the reply; blocking, so call it off the engine thread."""
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        send_message(sock, {"version": PROTOCOL_VERSION, **message}, blob)
+        return recv_message(sock)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handlers: dict[str, Handler]) -> None:
+        self.handlers = handlers
+        super().__init__(address, _RequestHandler)
+
+
+class _RequestHandler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(DEFAULT_TIMEOUT_S)
+        try:
+            message, blob = recv_message(sock)
+        except (OSError, ValueError) as e:
+            logger.warning("side channel: bad request from %s: %s", self.client_address, e)
+            return
+        kind = message.get("type")
+        handler = self.server.handlers.get(kind)  # type: ignore[attr-defined]
+        if message.get("version") != PROTOCOL_VERSION:
+            reply, reply_blob = {"ok": False, "error": f"side channel: protocol version "
+                                 f"{message.get('version')!r}, expected {PROTOCOL_VERSION}"}, b""
+        elif handler is None:
+            reply, reply_blob = {"ok": False, "error": f"side channel: unknown message type {kind!r}"}, b""
+        else:
+            try:
+                reply, reply_blob = handler(message, blob)
+            except Exception as e:  # a bad request ends that request, not the server
+                logger.exception("side channel: %s handler failed", kind)
+                reply, reply_blob = {"ok": False, "error": f"{type(e).__name__}: {e}"}, b""
+        try:
+            send_message(sock, reply, reply_blob)
+        except OSError as e:
+            logger.warning("side channel: could not reply to %s: %s", self.client_address, e)
+
+
+class SideChannelServer:
+    """A TCP server in a background thread; binds at construction (port 0: a free port)."""
+
+    def __init__(self, host: str, port: int, handlers: dict[str, Handler]) -> None:
+        self._server = _Server((host, port), handlers)
+        self.host = host
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name=f"pdserve-side-channel-{self.port}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=DEFAULT_TIMEOUT_S)
