@@ -83,8 +83,9 @@ def paged_attention_reference(q: torch.Tensor, kv_layer: torch.Tensor, md: Atten
         out[:] = _decode_attention(q, kv_layer, md.block_tables, md.seq_lens,
                                    max(md.seq_lens_cpu), md.block_size, scale)
         return out
-    seq_index = torch.tensor(decode_seq_ids, device=q.device)
-    token_index = torch.tensor(decode_token_ids, device=q.device)
+    # Host -> device copies without a stream sync (torch.tensor(..., device=cuda) would wait).
+    seq_index = torch.tensor(decode_seq_ids).to(q.device, non_blocking=True)
+    token_index = torch.tensor(decode_token_ids).to(q.device, non_blocking=True)
     out[token_index] = _decode_attention(
         q[token_index], kv_layer, md.block_tables[seq_index], md.seq_lens[seq_index],
         max(md.seq_lens_cpu[i] for i in decode_seq_ids), md.block_size, scale)
@@ -105,10 +106,12 @@ def _prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: tor
         key_pos = torch.arange(seq_len, device=q.device)
         query_pos = key_pos[seq_len - query_len:]
         mask, is_causal = key_pos[None, :] <= query_pos[:, None], False  # [query_len, seq_len]
+    # 4-D [1, heads, len, dim]: on CPU only 4-D inputs take the fused (flash) kernel, 3-D ones fall
+    # back to a path up to 30x slower.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [heads, len, dim]
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)  # [query_len, heads, dim]
+    return out[0].transpose(0, 1)  # [query_len, heads, dim]
 
 
 def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,

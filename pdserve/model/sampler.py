@@ -1,0 +1,89 @@
+"""Batched sampling with no host sync: greedy / temperature -> top-k -> top-p -> sample.
+
+Sampling uses the exponential trick: argmax(probs / q) with q ~ Exp(1) per vocabulary entry draws
+exactly from `probs` (it is Gumbel-max in disguise) and, unlike torch.multinomial, never waits for the
+device. A row with its own torch.Generator (a request with a seed) draws its noise from that
+generator alone, so its samples do not depend on which other requests share the batch; rows
+without one share a single draw from the default generator.
+
+temperatures, top_ps and top_ks may be [N] tensors on the logits' device, or Python lists. Lists are
+host values, so they also let the sampler skip work without a sync: an all-greedy batch is one argmax,
+and a batch where nobody uses top-k/top-p sorts nothing.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+Values = torch.Tensor | Sequence[float]
+
+
+def sample(logits: torch.Tensor, temperatures: Values, top_ps: Values, top_ks: Values,
+           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """logits: [N, V] float32. temperature 0 means greedy (an exact argmax of the logits); top_k 0
+    (or >= V) means no top-k cut; top_p 1.0 means no top-p cut. generators: one per row, None or a
+    torch.Generator on the logits' device. Returns the sampled token ids, [N] int64 on the device."""
+    if _is_host(temperatures) and all(t == 0 for t in temperatures):
+        return logits.argmax(dim=-1)
+    device = logits.device
+    vocab_size = logits.shape[-1]
+    greedy_ids = logits.argmax(dim=-1)  # [N]
+    temperatures = _as_tensor(temperatures, torch.float32, device)
+    is_greedy = temperatures == 0
+    logits = logits / torch.where(is_greedy, 1.0, temperatures)[:, None]  # [N, V]
+    needs_cut = not (_is_host(top_ks) and _is_host(top_ps)
+                     and all(k == 0 or k >= vocab_size for k in top_ks) and all(p >= 1.0 for p in top_ps))
+    if needs_cut:
+        logits = apply_top_k_top_p(logits, _as_tensor(top_ks, torch.int64, device),
+                                   _as_tensor(top_ps, torch.float32, device))
+    probs = logits.softmax(dim=-1)  # [N, V]
+    sampled_ids = (probs / _exponential_noise(probs.shape, generators, device)).argmax(dim=-1)
+    return torch.where(is_greedy, greedy_ids, sampled_ids)
+
+
+class Sampler(nn.Module):
+    """sample() as a module, for a model runner that keeps its steps as modules."""
+
+    def forward(self, logits: torch.Tensor, temperatures: Values, top_ps: Values, top_ks: Values,
+                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        return sample(logits, temperatures, top_ps, top_ks, generators)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside the row's top-k, then outside its top-p nucleus (the smallest
+    set of most likely tokens holding at least top_p of the top-k renormalised mass; the most likely
+    token always stays). logits: [N, V]; top_ks: [N] int (0 = no cut); top_ps: [N] float."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1)  # ascending, [N, V]
+    k = torch.where(top_ks > 0, top_ks, vocab_size).clamp(max=vocab_size)
+    kth_largest = sorted_logits.gather(1, (vocab_size - k)[:, None])  # [N, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [N, V], ascending mass
+    outside_nucleus = cumulative <= 1.0 - top_ps[:, None]
+    outside_nucleus[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _exponential_noise(shape: torch.Size, generators: Sequence[torch.Generator | None],
+                       device: torch.device) -> torch.Tensor:
+    noise = torch.empty(shape, device=device)  # [N, V]
+    if any(generator is None for generator in generators):
+        noise.exponential_()  # one shared draw for the rows without a seed
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+def _is_host(values: Values) -> bool:
+    return not isinstance(values, torch.Tensor)
+
+
+def _as_tensor(values: Values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.to(device=device, dtype=dtype)
+    return torch.tensor(list(values), dtype=dtype).to(device, non_blocking=True)  # no stream sync
