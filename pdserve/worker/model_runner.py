@@ -101,13 +101,9 @@ class ModelRunner:
         sample_items = [item for item in out.scheduled if item.do_sample]
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
         sp = [item.sampling_params for item in sample_items]
-        token_ids = sample(
-            logits,
-            torch.tensor([p.temperature for p in sp], dtype=torch.float32).to(dev, non_blocking=True),
-            torch.tensor([p.top_p for p in sp], dtype=torch.float32).to(dev, non_blocking=True),
-            torch.tensor([p.top_k for p in sp], dtype=torch.int64).to(dev, non_blocking=True),
-            [self._generator(item) for item in sample_items],
-        ).tolist()
+        # Host lists let the sampler skip work it can see is not needed (an all-greedy batch is one argmax).
+        token_ids = sample(logits, [p.temperature for p in sp], [p.top_p for p in sp],
+                           [p.top_k for p in sp], [self._generator(item) for item in sample_items]).tolist()
         return {item.request_id: t for item, t in zip(sample_items, token_ids)}
 
     def _generator(self, item) -> torch.Generator | None:

@@ -1,0 +1,86 @@
+"""Real pdserve processes on 127.0.0.1 for end-to-end tests, stopped by PID."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    def __init__(self, args: list[str], name: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = name
+        self.log = open(f"/tmp/pdserve-test-{name}-{self.port}.log", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args, "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_healthy(self, timeout: float = 240) -> "Process":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy after {timeout} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        values = {}
+        for line in text.splitlines():
+            m = re.match(r"pdserve:(\w+) ([-0-9.e+]+)$", line)
+            if m:
+                values[m.group(1)] = float(m.group(2))
+        return values
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+
+def serve(name: str, *extra: str) -> Process:
+    return Process(["serve", "--model", "default", "--kv-cache-memory", str(128 << 20),
+                    "--num-threads", "1", *extra], name)
+
+
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
