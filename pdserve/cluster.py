@@ -7,6 +7,9 @@ Lifecycle:
   2. start each instance as `pdserve serve --kv-role producer|consumer` and the proxy in front
   3. wait until every /health answers, then print the URL
   4. on Ctrl-C or SIGTERM (or when a child dies) stop every child, newest first
+
+split_cores and ChildProcesses are shared with `pdserve bench compare`, which starts several such
+deployments in turn.
 """
 from __future__ import annotations
 
@@ -16,19 +19,23 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import IO, Mapping, Sequence
 
 HEALTH_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 15.0
 
 
-def _split_cores(num_instances: int) -> list[list[int] | None]:
-    cores = sorted(os.sched_getaffinity(0))
+def split_cores(num_instances: int, cores: Sequence[int] | None = None) -> list[list[int] | None]:
+    """Equal, disjoint sets of `cores` (default: the cores this process may run on), one per
+    instance; None for every instance when there are fewer cores than instances."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
     if len(cores) < num_instances:
         return [None] * num_instances  # more instances than cores: let the OS share them
     per = len(cores) // num_instances
     return [cores[i * per:(i + 1) * per] for i in range(num_instances)]
 
 
-def _num_gpus() -> int:
+def num_gpus() -> int:
     try:
         import torch
         return torch.cuda.device_count()
@@ -36,43 +43,65 @@ def _num_gpus() -> int:
         return 0
 
 
-def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    pending = list(urls)
-    while pending:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{' '.join(p.args[2:6])}... exited with code {p.returncode}")
-        url = pending[0]
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    pending.pop(0)
-                    continue
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not become healthy within {timeout:.0f} s")
-        time.sleep(0.5)
+class ChildProcesses:
+    """The children one launcher started; stop() ends each by its PID, newest first."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.names: dict[int, str] = {}  # pid → what error messages call the child
+
+    def start(self, cmd: Sequence[str], *, name: str | None = None, env: Mapping[str, str] | None = None,
+              stdout: IO | int | None = None, stderr: IO | int | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), stdout=stdout, stderr=stderr)
+        self.procs.append(proc)
+        self.names[proc.pid] = name or f"{' '.join(cmd[2:6])}..."  # the subcommand and its first flags
+        return proc
+
+    def first_dead(self) -> subprocess.Popen | None:
+        return next((p for p in self.procs if p.poll() is not None), None)
+
+    def wait_healthy(self, urls: Sequence[str], timeout: float) -> None:
+        """Until GET url/health answers 200 for every url; RuntimeError when a child exits first or
+        the timeout passes."""
+        deadline = time.monotonic() + timeout
+        pending = list(urls)
+        while pending:
+            dead = self.first_dead()
+            if dead is not None:
+                raise RuntimeError(f"{self.names[dead.pid]} exited with code {dead.returncode}")
+            url = pending[0]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        pending.pop(0)
+                        continue
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not become healthy within {timeout:.0f} s")
+            time.sleep(0.5)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM to every child still running, newest first; SIGKILL to any still running after
+        `timeout` s of waiting for it."""
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, port: int,
                 serve_args: list[str], kv_transfer_config: str | None, device: str) -> int:
     instances = [("producer", i) for i in range(num_prefill)] + [("consumer", i) for i in range(num_decode)]
-    use_cuda = device == "cuda" or (device == "auto" and _num_gpus() > 0)
-    cores = [None] * len(instances) if use_cuda else _split_cores(len(instances))
-    num_gpus = _num_gpus() if use_cuda else 0
-    procs: list[subprocess.Popen] = []
-
-    def stop(*_args) -> None:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(procs):
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    use_cuda = device == "cuda" or (device == "auto" and num_gpus() > 0)
+    cores = [None] * len(instances) if use_cuda else split_cores(len(instances))
+    num_cuda_devices = num_gpus() if use_cuda else 0
+    children = ChildProcesses()
 
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     prefill_urls, decode_urls = [], []
@@ -85,24 +114,22 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
             if kv_transfer_config:
                 cmd += ["--kv-transfer-config", kv_transfer_config]
             env = dict(os.environ)
-            if use_cuda and num_gpus:
-                env["CUDA_VISIBLE_DEVICES"] = str(n % num_gpus)
+            if use_cuda and num_cuda_devices:
+                env["CUDA_VISIBLE_DEVICES"] = str(n % num_cuda_devices)
             if cores[n]:
                 cmd += ["--cpu-cores", ",".join(map(str, cores[n])), "--num-threads", str(len(cores[n]))]
-            procs.append(subprocess.Popen(cmd, env=env))
+            children.start(cmd, env=env)
             (prefill_urls if role == "producer" else decode_urls).append(f"http://{host}:{inst_port}")
-        _wait_healthy(prefill_urls + decode_urls, procs, HEALTH_TIMEOUT_S)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "proxy", "--host", host, "--port", str(port),
-             "--prefill", *prefill_urls, "--decode", *decode_urls]))
+        children.wait_healthy(prefill_urls + decode_urls, HEALTH_TIMEOUT_S)
+        children.start([sys.executable, "-m", "pdserve", "proxy", "--host", host, "--port", str(port),
+                        "--prefill", *prefill_urls, "--decode", *decode_urls])
         url = f"http://{host}:{port}"
-        _wait_healthy([url], procs, 60)
+        children.wait_healthy([url], 60)
         print(f"pdserve cluster ready: {url}/v1  (prefill: {' '.join(prefill_urls)}; "
               f"decode: {' '.join(decode_urls)}). Ctrl-C stops it.", flush=True)
-        while all(p.poll() is None for p in procs):
+        while children.first_dead() is None:
             time.sleep(0.5)
-        dead = [p for p in procs if p.poll() is not None]
-        print(f"a child exited (code {dead[0].returncode}); stopping the cluster", file=sys.stderr)
+        print(f"a child exited (code {children.first_dead().returncode}); stopping the cluster", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
@@ -110,4 +137,4 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
         print(f"pdserve up: {e}", file=sys.stderr)
         return 1
     finally:
-        stop()
+        children.stop()

@@ -85,14 +85,18 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _add_workload_args(p: argparse.ArgumentParser, *, is_sweep: bool) -> None:
+def _add_workload_args(p: argparse.ArgumentParser, *, is_sweep: bool, starts_servers: bool = False) -> None:
+    """starts_servers (bench compare): no --base-url, --model, --api-key, --out, --plot; it starts
+    the servers it measures and has its own --model and --out-dir."""
     target = p.add_argument_group("target")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="server root; a trailing /v1 is accepted")
-    target.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
+    if not starts_servers:
+        target.add_argument("--base-url", default="http://127.0.0.1:8000",
+                            help="server root; a trailing /v1 is accepted")
+        target.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
     target.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                         help="/v1/completions or /v1/chat/completions")
-    target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    if not starts_servers:
+        target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     target.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
     work = p.add_argument_group("workload")
@@ -133,17 +137,19 @@ def _add_workload_args(p: argparse.ArgumentParser, *, is_sweep: bool) -> None:
                          help="SLO attainment a rate must reach to count as sustained")
 
     out = p.add_argument_group("output")
-    out.add_argument("--out", default=None, metavar="FILE.json", help="write config, metrics and every request")
-    out.add_argument("--plot", default=None, metavar="FILE.png", help="draw a plot (needs matplotlib)")
+    if not starts_servers:
+        out.add_argument("--out", default=None, metavar="FILE.json", help="write config, metrics and every request")
+        out.add_argument("--plot", default=None, metavar="FILE.png", help="draw a plot (needs matplotlib)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def add_bench_subparsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register `bench serve` and `bench sweep` on the top-level CLI's subparsers."""
+    """Register `bench serve`, `bench sweep` and `bench compare` on the top-level CLI's subparsers."""
     bench = subparsers.add_parser("bench", help="benchmark an OpenAI-compatible endpoint",
-                                  description="Measure a serving endpoint over HTTP: serve (one rate) "
-                                              "or sweep (several rates).")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep}", required=True)
+                                  description="Measure a serving endpoint over HTTP: serve (one rate), "
+                                              "sweep (several rates) or compare (start colocated, chunked "
+                                              "and disaggregated deployments in turn and sweep each).")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,compare}", required=True)
 
     serve = bench_sub.add_parser("serve", help="one workload at one request rate", description=SERVE_HELP,
                                  formatter_class=_HelpFormatter)
@@ -154,6 +160,9 @@ def add_bench_subparsers(subparsers: argparse._SubParsersAction) -> None:
                                  formatter_class=_HelpFormatter)
     _add_workload_args(sweep, is_sweep=True)
     sweep.set_defaults(func=sweep_main)
+
+    from pdserve.bench.compare import add_compare_parser  # here: compare imports this module
+    add_compare_parser(bench_sub)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
