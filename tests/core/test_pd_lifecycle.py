@@ -158,3 +158,21 @@ def test_abort_before_the_load_starts_releases_p(pd):
     p.drain()
     assert d.conn_w.stats["kv_transfer_descriptors_total"] == 0
     assert_no_leaks(p.s), assert_no_leaks(d.s)
+
+
+def test_nothing_left_to_load_computes_locally_instead_of_parking(pd):
+    """P's params cover only what D's prefix cache already holds: D must not park the request
+    waiting for a load that will never be posted (it used to hang in WAITING_FOR_REMOTE_KVS)."""
+    p, d = pd
+    prompt = list(range(40, 53))
+    d.s.add_request(Request("warm", prompt[:9], SamplingParams(max_tokens=1)))
+    d.drain()  # D caches blocks 0 and 1 (8 tokens)
+    params = run_p(p, "req", prompt)
+    params["num_remote_tokens"] = 8  # P claims only the first two blocks
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=3), kv_transfer_params=params))
+    out = d.s.schedule()
+    assert d.s.num_waiting_for_remote_kvs == 0 and out.scheduled[0].num_computed_tokens == 8
+    d.s.update_from_output(out, d.runner.execute(out))
+    results, _ = d.drain()
+    assert len(results["req"]) == 2
+    assert_no_leaks(d.s)  # (P keeps its copy until the lease runs out: nobody reads it)
