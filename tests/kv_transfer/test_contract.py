@@ -1,0 +1,126 @@
+"""The connector contract, run against every registered connector: both halves built by the factory,
+driven the way the scheduler and the model runner drive them, ending in a leak check."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from pdserve.config import KVTransferConfig
+from pdserve.core.request import Request
+from pdserve.kv_transfer.factory import CONNECTORS, create_connector
+from pdserve.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16
+COMPAT = {"model": "contract-test", "dtype": "float32", "block_size": BLOCK_SIZE}
+
+
+def connectors_here() -> list[str]:
+    names = [n for n in CONNECTORS if n != "cuda_ipc"]
+    if "cuda_ipc" in CONNECTORS and torch.cuda.device_count() >= 1:
+        names.append("cuda_ipc")
+    return names
+
+
+def make_pair(name: str, **cfg):
+    device = "cuda" if name == "cuda_ipc" else "cpu"
+    halves = []
+    for role in ("producer", "consumer"):
+        config = KVTransferConfig(kv_connector=name, kv_role=role, engine_id=f"{role}-{uuid.uuid4().hex[:6]}",
+                                  **cfg)
+        sched, worker = create_connector(config, BLOCK_SIZE, COMPAT)
+        kv = torch.zeros(NUM_BLOCKS, 2, 2, BLOCK_SIZE, 1, 8, device=device)  # [blocks, layers, kv, slots, heads, dim]
+        worker.register_kv_caches(kv)
+        halves.append((sched, worker, kv))
+    return halves
+
+
+def poll(workers, until, timeout=10.0):
+    """Step every worker (as idle engines do) until `until(finished)` holds."""
+    seen = {id(w): (set(), set()) for w in workers}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for w in workers:
+            sending, recving = w.get_finished()
+            seen[id(w)][0].update(sending)
+            seen[id(w)][1].update(recving)
+        if until(seen):
+            return seen
+        time.sleep(0.005)
+    raise AssertionError(f"timed out; seen {seen}")
+
+
+@pytest.mark.parametrize("name", connectors_here())
+def test_pull_handoff_through_the_contract(name):
+    (p_sched, p_worker, p_kv), (d_sched, d_worker, d_kv) = make_pair(name)
+    try:
+        prompt = list(range(13))  # 4 blocks, the last one partial
+        # P: the request finishes; request_finished holds the blocks and returns params for D.
+        p_req = Request("p-req", prompt, SamplingParams(max_tokens=1),
+                        kv_transfer_params={"do_remote_decode": True})
+        p_req.status = p_req.status.FINISHED_LENGTH_CAPPED
+        p_blocks = [3, 4, 9, 10]
+        for b in p_blocks:
+            p_kv[b].fill_(float(b))
+        delay_free, params = p_sched.request_finished(p_req, p_blocks)
+        assert delay_free and params["do_remote_prefill"] and params["remote_block_ids"] == p_blocks
+        p_worker.start_load_kv(p_sched.build_connector_meta(None))
+
+        # D: the scheduler learns how much can be loaded, allocates, and hands the load over.
+        d_req = Request("d-req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params)
+        num_external, load_async = d_sched.get_num_new_matched_tokens(d_req, 0)
+        assert (num_external, load_async) == (13, True)
+        d_blocks = [0, 1, 2, 7]
+        d_sched.update_state_after_alloc(d_req, d_blocks, num_external)
+        d_worker.start_load_kv(d_sched.build_connector_meta(None))
+
+        seen = poll([p_worker, d_worker], lambda s: "d-req" in s[id(d_worker)][1]
+                    and "p-req" in s[id(p_worker)][0])
+        assert d_worker.get_block_ids_with_load_errors() == set()
+        for local, remote in zip(d_blocks, p_blocks):
+            assert torch.equal(d_kv[local], p_kv[remote])
+        assert d_worker.get_stats()["kv_transfer_descriptors_total"] >= 2
+        assert seen[id(p_worker)][1] == set() and seen[id(d_worker)][0] == set()
+        assert p_worker.num_pending_requests() == 0 and d_worker.num_pending_requests() == 0
+    finally:
+        p_worker.shutdown()
+        d_worker.shutdown()
+
+
+@pytest.mark.parametrize("name", connectors_here())
+def test_lease_expiry_through_the_contract(name):
+    (p_sched, p_worker, _), (_, d_worker, _) = make_pair(name, lease_seconds=0.3)
+    try:
+        req = Request("held", list(range(8)), SamplingParams(max_tokens=1),
+                      kv_transfer_params={"do_remote_decode": True})
+        req.status = req.status.FINISHED_STOPPED
+        assert p_sched.request_finished(req, [5, 6])[0]
+        p_worker.start_load_kv(p_sched.build_connector_meta(None))
+        poll([p_worker], lambda s: "held" in s[id(p_worker)][0])
+        assert p_worker.get_stats()["kv_lease_expirations_total"] == 1
+        assert p_worker.num_pending_requests() == 0
+    finally:
+        p_worker.shutdown()
+        d_worker.shutdown()
+
+
+@pytest.mark.parametrize("name", connectors_here())
+def test_injected_failure_reports_blocks_through_the_contract(name):
+    (p_sched, p_worker, _), (d_sched, d_worker, _) = make_pair(name, extra={"inject_read_failure": "last_block"})
+    try:
+        req = Request("p", list(range(8)), SamplingParams(max_tokens=1), kv_transfer_params={"do_remote_decode": True})
+        req.status = req.status.FINISHED_STOPPED
+        _, params = p_sched.request_finished(req, [1, 2])
+        p_worker.start_load_kv(p_sched.build_connector_meta(None))
+        d_req = Request("d", list(range(8)), SamplingParams(max_tokens=1), kv_transfer_params=params)
+        n, _ = d_sched.get_num_new_matched_tokens(d_req, 0)
+        d_sched.update_state_after_alloc(d_req, [11, 12], n)
+        d_worker.start_load_kv(d_sched.build_connector_meta(None))
+        poll([p_worker, d_worker], lambda s: "d" in s[id(d_worker)][1] and "p" in s[id(p_worker)][0])
+        assert d_worker.get_block_ids_with_load_errors() == {12}
+    finally:
+        p_worker.shutdown()
+        d_worker.shutdown()
