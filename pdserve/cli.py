@@ -54,8 +54,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefill/decode disaggregation")
-    g.add_argument("--kv-connector", default=None, choices=["nixl", "loopback"],
-                   help="enable P/D handoff through this connector (nixl for separate processes)")
+    g.add_argument("--kv-connector", default=None, choices=["nixl", "cuda_ipc", "loopback"],
+                   help="enable P/D handoff through this connector: nixl (any host, DRAM or VRAM), "
+                        "cuda_ipc (processes on one host: CUDA IPC, or shared memory on CPU), "
+                        "loopback (engines in one process, for tests)")
     g.add_argument("--kv-role", default="both", choices=KV_ROLES,
                    help="producer: a prefill instance (P); consumer: a decode instance (D)")
     g.add_argument("--engine-id", default=None, help="this instance's id in kv_transfer_params")
@@ -97,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-prefill", type=int, default=1)
     up.add_argument("--num-decode", type=int, default=1)
     _add_model_args(up)
+    up.add_argument("--kv-connector", default="nixl", choices=["nixl", "cuda_ipc"],
+                    help="how D pulls P's KV blocks")
     up.add_argument("--kv-transfer-config", default=None, help="JSON passed to every instance")
     up.add_argument("--max-num-batched-tokens", type=int, default=None)
     up.add_argument("--kv-cache-memory", type=int, default=None)
@@ -175,7 +179,8 @@ def up_main(args: argparse.Namespace) -> int:
             serve_args += [flag, str(value)]
     return run_cluster(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                        host=args.host, port=args.port, serve_args=serve_args,
-                       kv_transfer_config=args.kv_transfer_config, device=args.device)
+                       kv_transfer_config=args.kv_transfer_config, device=args.device,
+                       kv_connector=args.kv_connector)
 
 
 def main(argv: list[str] | None = None) -> int:

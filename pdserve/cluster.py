@@ -96,7 +96,8 @@ class ChildProcesses:
 
 
 def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, port: int,
-                serve_args: list[str], kv_transfer_config: str | None, device: str) -> int:
+                serve_args: list[str], kv_transfer_config: str | None, device: str,
+                kv_connector: str = "nixl") -> int:
     instances = [("producer", i) for i in range(num_prefill)] + [("consumer", i) for i in range(num_decode)]
     use_cuda = device == "cuda" or (device == "auto" and num_gpus() > 0)
     cores = [None] * len(instances) if use_cuda else split_cores(len(instances))
@@ -109,7 +110,7 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
         for n, (role, i) in enumerate(instances):
             inst_port = port + 1 + n
             cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--host", host,
-                   "--port", str(inst_port), "--kv-connector", "nixl", "--kv-role", role,
+                   "--port", str(inst_port), "--kv-connector", kv_connector, "--kv-role", role,
                    "--engine-id", f"{'prefill' if role == 'producer' else 'decode'}-{i}", *serve_args]
             if kv_transfer_config:
                 cmd += ["--kv-transfer-config", kv_transfer_config]

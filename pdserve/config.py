@@ -69,7 +69,7 @@ KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 @dataclass
 class KVTransferConfig:
     """How an instance takes part in P/D disaggregation; None connector means colocated only."""
-    kv_connector: str | None = None       # None | "nixl" | "loopback"
+    kv_connector: str | None = None       # None | "nixl" | "cuda_ipc" | "loopback"
     kv_role: str = "both"                 # producer (P) | consumer (D) | both
     engine_id: str | None = None          # filled at start-up when not given
     lease_seconds: float = 30.0           # P holds blocks for D this long without a heartbeat

@@ -8,7 +8,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.pull import PullConnectorScheduler
 
-CONNECTORS = ("loopback", "nixl")
+CONNECTORS = ("loopback", "nixl", "cuda_ipc")
 
 
 def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str, Any]
@@ -24,6 +24,10 @@ def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str
     elif config.kv_connector == "nixl":
         from pdserve.kv_transfer.nixl import NixlConnectorWorker
         worker = NixlConnectorWorker(config, engine_id, compat)
+        host, port = config.side_channel_host, worker.side_channel_port
+    elif config.kv_connector == "cuda_ipc":
+        from pdserve.kv_transfer.cuda_ipc import CudaIpcConnectorWorker
+        worker = CudaIpcConnectorWorker(config, engine_id, compat)
         host, port = config.side_channel_host, worker.side_channel_port
     else:
         raise ValueError(f"kv_connector: expected one of {CONNECTORS}, got {config.kv_connector!r}")

@@ -19,14 +19,12 @@ COMPAT = {"model": "contract-test", "dtype": "float32", "block_size": BLOCK_SIZE
 
 
 def connectors_here() -> list[str]:
-    names = [n for n in CONNECTORS if n != "cuda_ipc"]
-    if "cuda_ipc" in CONNECTORS and torch.cuda.device_count() >= 1:
-        names.append("cuda_ipc")
-    return names
+    return list(CONNECTORS)
 
 
 def make_pair(name: str, **cfg):
-    device = "cuda" if name == "cuda_ipc" else "cpu"
+    # cuda_ipc moves VRAM when there is a GPU, and shared memory otherwise: both are its real paths.
+    device = "cuda" if name == "cuda_ipc" and torch.cuda.is_available() else "cpu"
     halves = []
     for role in ("producer", "consumer"):
         config = KVTransferConfig(kv_connector=name, kv_role=role, engine_id=f"{role}-{uuid.uuid4().hex[:6]}",
