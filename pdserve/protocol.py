@@ -136,6 +136,7 @@ class _Common:
     stream: bool = False
     include_usage: bool = False           # stream_options.include_usage
     kv_transfer_params: dict[str, Any] | None = None
+    return_token_ids: bool = False        # extension (as vLLM's): choices carry "token_ids"
 
     def _read_common(self, data: dict, default_max_tokens: int | None) -> None:
         model = data.get("model")
@@ -155,6 +156,7 @@ class _Common:
         if self.stop_token_ids is None:
             raise _bad("stop_token_ids", "expected a list of integers")
         self.ignore_eos = _bool(data, "ignore_eos", False)
+        self.return_token_ids = _bool(data, "return_token_ids", False)
         self.stream = _bool(data, "stream", False)
         stream_options = _optional_dict(data, "stream_options")
         if stream_options is not None:
@@ -293,35 +295,46 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
+def _choice(choice: dict[str, Any], token_ids: list[int] | None) -> dict[str, Any]:
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
 def completion_response(response_id: str, model: str, text: str, finish_reason: str | None,
                         usage: dict[str, Any], *, created: int | None = None,
-                        kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+                        kv_transfer_params: dict[str, Any] | None = None,
+                        token_ids: list[int] | None = None) -> dict[str, Any]:
     return {"id": response_id, "object": "text_completion", "created": created or int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [_choice({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason},
+                                token_ids)],
             "usage": usage, "kv_transfer_params": kv_transfer_params}
 
 
 def completion_chunk(response_id: str, model: str, created: int, text: str,
-                     finish_reason: str | None = None) -> dict[str, Any]:
+                     finish_reason: str | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [_choice({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason},
+                                token_ids)]}
 
 
 def chat_response(response_id: str, model: str, text: str, finish_reason: str | None,
                   usage: dict[str, Any], *, created: int | None = None,
-                  kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+                  kv_transfer_params: dict[str, Any] | None = None,
+                  token_ids: list[int] | None = None) -> dict[str, Any]:
     return {"id": response_id, "object": "chat.completion", "created": created or int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [_choice({"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": None, "finish_reason": finish_reason}, token_ids)],
             "usage": usage, "kv_transfer_params": kv_transfer_params}
 
 
 def chat_chunk(response_id: str, model: str, created: int, delta: dict[str, Any],
-               finish_reason: str | None = None) -> dict[str, Any]:
+               finish_reason: str | None = None, token_ids: list[int] | None = None) -> dict[str, Any]:
     return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [_choice({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason},
+                                token_ids)]}
 
 
 def usage_chunk(response_id: str, model: str, created: int, usage: dict[str, Any], *, chat: bool) -> dict[str, Any]:

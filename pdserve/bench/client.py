@@ -105,7 +105,7 @@ def _chunk_output(data: dict[str, Any]) -> tuple[bool, str | None]:
         delta = choice.get("delta")
         text = (delta.get("content") or delta.get("reasoning_content")) if isinstance(delta, dict) \
             else choice.get("text")
-        has_output = has_output or bool(text)
+        has_output = has_output or bool(text) or bool(choice.get("token_ids"))
         finish_reason = choice.get("finish_reason") or finish_reason
     return has_output, finish_reason
 

@@ -288,6 +288,10 @@ class OpenAIServer:
     async def _in_tokenizer_thread(self, fn: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
 
+    def _with_token_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
+        # Without a tokenizer (dummy weights) token ids are the only output there is to show.
+        return req.return_token_ids or getattr(self.engine, "tokenizer", None) is None
+
     def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, prompt_token_ids: list[int]) -> int:
         """vLLM's rule: refuse what does not fit; an unset max_tokens fills the model's length."""
         num_prompt, max_model_len = len(prompt_token_ids), self.engine.max_model_len
@@ -330,17 +334,19 @@ class OpenAIServer:
 
     async def _collect(self, req: CompletionRequest | ChatCompletionRequest, generation: _Generation,
                        output: RequestOutput, *, is_chat: bool) -> web.Response:
-        texts = []
+        texts, token_ids = [], []
         while True:
             if (message := error_message(output)) is not None:
                 return json_error(500, message)
             texts.append(output.new_text)
+            token_ids += output.new_token_ids
             if output.finished:
                 break
             output = await generation.next()
         build = protocol.chat_response if is_chat else protocol.completion_response
         body = build(generation.request_id, self.engine.served_model_name, "".join(texts),
-                     _finish_reason(output), _usage(output), kv_transfer_params=output.kv_transfer_params)
+                     _finish_reason(output), _usage(output), kv_transfer_params=output.kv_transfer_params,
+                     token_ids=token_ids if self._with_token_ids(req) else None)
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest,
@@ -358,13 +364,14 @@ class OpenAIServer:
                     await response.write(protocol.sse_event(protocol.error_body(message, status=500)))
                     break
                 finish_reason = _finish_reason(output)
-                if output.new_text or finish_reason is not None:
+                token_ids = output.new_token_ids if self._with_token_ids(req) else None
+                if output.new_text or token_ids or finish_reason is not None:
                     if is_chat:
                         delta = {"content": output.new_text} if output.new_text else {}
-                        chunk = protocol.chat_chunk(request_id, model, created, delta, finish_reason)
+                        chunk = protocol.chat_chunk(request_id, model, created, delta, finish_reason, token_ids)
                     else:
                         chunk = protocol.completion_chunk(request_id, model, created, output.new_text,
-                                                          finish_reason)
+                                                          finish_reason, token_ids)
                     if finish_reason is not None and output.kv_transfer_params is not None:
                         chunk["kv_transfer_params"] = output.kv_transfer_params
                     await response.write(protocol.sse_event(chunk))

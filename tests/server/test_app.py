@@ -415,3 +415,23 @@ def test_unexpected_server_exception_is_a_500(stream):
         assert status == 200 and json.loads(events[-2])["error"]["code"] == 500 and events[-1] == b"[DONE]"
     else:
         assert status == 500 and json.loads(raw)["error"]["type"] == "server_error"
+
+
+def test_return_token_ids_and_token_ids_without_a_tokenizer():
+    """return_token_ids puts the generated ids in each choice; a server with no tokenizer (dummy
+    weights) always does, and streams one chunk per token even though there is no text."""
+    async def main(engine, stream, extra):
+        async with openai_client(engine) as client:
+            if not stream:
+                resp = await client.completions.create(model="fake-model", prompt=[1, 2, 3], max_tokens=4,
+                                                       extra_body=extra)
+                return resp.choices[0].model_extra.get("token_ids")
+            chunks = [c async for c in await client.completions.create(
+                model="fake-model", prompt=[1, 2, 3], max_tokens=4, stream=True, extra_body=extra)]
+            return [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [])]
+
+    expected = [(3 + i) % 100 for i in range(4)]
+    assert run(main(tiny_engine(), False, {"return_token_ids": True})) == expected
+    assert run(main(tiny_engine(), True, {"return_token_ids": True})) == expected
+    assert run(main(tiny_engine(), False, {})) is None
+    assert run(main(FakeEngine(), True, {})) == expected   # no tokenizer
