@@ -126,8 +126,12 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
                         "--prefill", *prefill_urls, "--decode", *decode_urls])
         url = f"http://{host}:{port}"
         children.wait_healthy([url], 60)
+        served = next((a for f, a in zip(serve_args, serve_args[1:]) if f == "--served-model-name"), model)
         print(f"pdserve cluster ready: {url}/v1  (prefill: {' '.join(prefill_urls)}; "
-              f"decode: {' '.join(decode_urls)}). Ctrl-C stops it.", flush=True)
+              f"decode: {' '.join(decode_urls)}). Ctrl-C stops it.\nTry:\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+              f"'{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
         while children.first_dead() is None:
             time.sleep(0.5)
         print(f"a child exited (code {children.first_dead().returncode}); stopping the cluster", file=sys.stderr)

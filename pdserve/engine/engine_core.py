@@ -19,6 +19,7 @@ from pdserve.kv_transfer.factory import create_connector
 from pdserve.model.loader import load_tokenizer, resolve_model_path
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.worker.cpu_threads import choose_num_threads
 from pdserve.worker.model_runner import ModelRunner, resolve_device_and_dtype
 
 logger = logging.getLogger(__name__)
@@ -30,12 +31,14 @@ class EngineCore:
         self.config = config
         if config.cpu_affinity:
             os.sched_setaffinity(0, config.cpu_affinity)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         mc = config.model
         mc.model = resolve_model_path(mc.model)
         self.tokenizer = load_tokenizer(mc.model)
         device, dtype = resolve_device_and_dtype(mc)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        elif device.type == "cpu":
+            choose_num_threads()
         # The connector is built after the runner: its compatibility hash needs the model's identity.
         self.runner = ModelRunner(mc, config.cache, None, num_blocks)
         info = self.runner.info

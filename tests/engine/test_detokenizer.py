@@ -1,0 +1,48 @@
+"""Incremental detokenization: multi-byte characters split across tokens, stop strings that span
+tokens, text held back only as long as a stop string could still be forming."""
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.sampling_params import SamplingParams
+
+from tests.helpers_models import make_tiny_tokenizer
+
+TOK = make_tiny_tokenizer()  # byte-level: token id == byte value
+
+
+def stream(text: str, params: SamplingParams, prompt: str = "Q: ") -> tuple[list[str], bool]:
+    detok = IncrementalDetokenizer(TOK, list(prompt.encode()), params)
+    pieces, stopped = [], False
+    for byte in text.encode():
+        stopped = detok.update([byte])
+        pieces.append(detok.take_new_text(finished=stopped))
+        if stopped:
+            break
+    if not stopped:
+        pieces.append(detok.take_new_text(finished=True))
+    return pieces, stopped
+
+
+def test_multibyte_characters_are_emitted_whole():
+    pieces, _ = stream("héllo €", SamplingParams())
+    assert "".join(pieces) == "héllo €"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_across_tokens_is_cut_and_never_emitted():
+    pieces, stopped = stream("one two STOP three", SamplingParams(stop=["STOP"]))
+    assert stopped and "".join(pieces) == "one two "
+    assert not any("S" in p for p in pieces)
+
+
+def test_stop_string_included_when_asked():
+    pieces, stopped = stream("abc<end>xyz", SamplingParams(stop=["<end>"], include_stop_str_in_output=True))
+    assert stopped and "".join(pieces) == "abc<end>"
+
+
+def test_partial_stop_prefix_is_released_at_the_end():
+    pieces, stopped = stream("ends with STO", SamplingParams(stop=["STOP"]))
+    assert not stopped and "".join(pieces) == "ends with STO"
+
+
+def test_earliest_of_several_stop_strings_wins():
+    pieces, stopped = stream("a, b. c", SamplingParams(stop=[".", ","]))
+    assert stopped and "".join(pieces) == "a"
