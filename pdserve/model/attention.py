@@ -6,13 +6,35 @@ KV cache layout (chosen for the handoff): ONE tensor for the whole model,
 so a block holds every layer's K and V for block_size tokens, contiguous in memory: a run of
 consecutive block ids is one contiguous byte range, one transfer descriptor. Layer i sees the view
 kv_cache[:, i]  # [blocks, 2, slots, heads, dim]
+
+Two implementations behind write_kv() and paged_attention():
+  triton     (model/triton_attention.py) on CUDA: paged flash attention straight from the cache, GQA
+             packed, split-K for decode; its write_kv skips negative slots (padded CUDA-graph rows).
+  reference  plain torch, the ground truth the fast path is tested against; used on CPU.
+BACKEND picks: "auto" (triton on CUDA when Triton imports, else reference), "triton" (also on CPU
+under TRITON_INTERPRET=1, for tests) or "reference". Its default comes from $PDSERVE_ATTENTION_BACKEND.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model import triton_attention
+
+BACKENDS = ("auto", "triton", "reference")
+BACKEND = os.environ.get("PDSERVE_ATTENTION_BACKEND", "auto")
+if BACKEND not in BACKENDS:
+    raise ValueError(f"PDSERVE_ATTENTION_BACKEND: expected one of {BACKENDS}, got {BACKEND!r}")
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the fast kernels serve tensors on x's device under the current BACKEND."""
+    if BACKEND == "reference" or not triton_attention.is_available():
+        return False
+    return BACKEND == "triton" or x.is_cuda
 
 
 @dataclass
@@ -37,7 +59,11 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     kv_layer: [blocks, 2, slots, kv_heads, dim] (the view kv_cache[:, layer]); k, v: [T, kv_heads, dim];
     token t goes to block slot_mapping[t] // block_size, slot slot_mapping[t] % block_size.
+    On the fast path a negative slot writes nothing (the reference path never sees one).
     """
+    if use_triton(k):
+        triton_attention.write_kv_triton(kv_layer, k, v, slot_mapping, block_size)
+        return
     block_ids = slot_mapping // block_size  # [T]
     offsets = slot_mapping % block_size     # [T]
     kv_layer[block_ids, 0, offsets] = k
@@ -53,9 +79,11 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetada
     position <= its own (causal inside the new tokens, full over the cached prefix). GQA when
     heads > kv_heads.
     """
-    # Dispatch point: fast GPU kernels (a later issue) take over here, e.g.
-    #   if q.is_cuda and fast_kernels_available: return paged_attention_cuda(q, kv_layer, md, scale)
-    # The torch reference below stays the ground truth they are tested against.
+    if use_triton(q):
+        # Host lists choose tile shapes only (1 = a decode-only batch): no device sync.
+        return triton_attention.paged_attention_triton(
+            q, kv_layer, md.query_start_loc, md.seq_lens, md.block_tables, md.block_size, scale,
+            max(md.query_lens_cpu, default=1))
     return paged_attention_reference(q, kv_layer, md, scale)
 
 
