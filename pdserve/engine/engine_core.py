@@ -59,6 +59,7 @@ class EngineCore:
 
         sc = config.scheduler
         sc.max_model_len = self.max_model_len
+        self.runner.warm_up(sc.max_num_batched_tokens)
         kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                             config.cache.enable_prefix_caching,
                             hash_extra=f"{info.identity}:{dtype}")

@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.config import CacheConfig, ModelConfig
-from pdserve.core.batch import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from pdserve.core.batch import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.layers import RMSNorm, SiluAndMul
 from pdserve.model.loader import load_model
 from pdserve.model.sampler import sample
+from pdserve.sampling_params import SamplingParams
 from pdserve.worker.cuda_graphs import DecodeGraphs
 from pdserve.worker.kv_cache import allocate_kv_cache
 
@@ -71,6 +72,26 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size,
                                           -(-self.max_model_len // self.block_size))
         self.decode_graphs.capture()
+
+    @torch.inference_mode()
+    def warm_up(self, max_num_batched_tokens: int) -> None:
+        """Run the shapes serving will meet before the first request does: a full-budget prefill and a
+        mixed prefill + decode step. On CUDA their first run compiles kernels (Triton, torch.compile),
+        which would otherwise land on the first clients' TTFT. Writes only into blocks that no
+        request holds yet (the cache is empty at start-up)."""
+        if self.device.type != "cuda":
+            return
+        bs, greedy = self.block_size, SamplingParams(temperature=0.0)
+        num_tokens = max(2, min(max_num_batched_tokens, self.max_model_len - 1, self.num_blocks * bs - 2 * bs))
+        blocks = list(range(-(-num_tokens // bs)))
+        steps = [
+            [ScheduledRequest("warm-prefill", [0] * num_tokens, 0, blocks, greedy, True)],
+            [ScheduledRequest("warm-chunk", [0] * min(17, num_tokens - 1), 1, blocks, greedy, True),
+             ScheduledRequest("warm-decode", [0], num_tokens - 1, blocks, greedy, True)],
+        ]
+        for scheduled in steps:
+            self._run(SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled)))
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
