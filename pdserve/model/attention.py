@@ -96,11 +96,14 @@ def paged_attention_reference(q: torch.Tensor, kv_layer: torch.Tensor, md: Atten
     decode_seq_ids: list[int] = []
     decode_token_ids: list[int] = []
     token_start = 0
+    # On CPU a per-sequence loop beats the padded gather: it copies exactly seq_len positions and needs
+    # no mask (measured on the default model, batch 64 x ~300 tokens: 0.85-1.1 s per decode step padded).
+    batch_decodes = q.is_cuda
     for seq_id, (query_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
-        if query_len == 1:
+        if query_len == 1 and batch_decodes:
             decode_seq_ids.append(seq_id)
             decode_token_ids.append(token_start)
-        elif query_len > 1:
+        elif query_len > 0:
             token_end = token_start + query_len
             out[token_start:token_end] = _prefill_attention(
                 q[token_start:token_end], kv_layer, md.block_tables[seq_id], seq_len, md.block_size, scale)
@@ -126,9 +129,12 @@ def _prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: tor
     query_len = q.shape[0]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks]
-    k = kv_layer[:, 0][blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, dim]
-    v = kv_layer[:, 1][blocks].flatten(0, 1)[:seq_len]
-    if query_len == seq_len:  # no cached prefix: plain causal
+    # index_select, not advanced indexing: on CPU it is ~5x faster for these strided block views.
+    k = torch.index_select(kv_layer[:, 0], 0, blocks).flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, dim]
+    v = torch.index_select(kv_layer[:, 1], 0, blocks).flatten(0, 1)[:seq_len]
+    if query_len == 1:  # a decode: the one query sees every key
+        mask, is_causal = None, False
+    elif query_len == seq_len:  # no cached prefix: plain causal
         mask, is_causal = None, True
     else:  # query j at position seq_len - query_len + j sees keys 0 .. that position
         key_pos = torch.arange(seq_len, device=q.device)
