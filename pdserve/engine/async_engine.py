@@ -99,6 +99,7 @@ class AsyncEngine:
         self._stats: dict[str, Any] = {}
         self._outbox: queue.Queue = queue.Queue()
         self._dead: str | None = None
+        self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
@@ -155,6 +156,8 @@ class AsyncEngine:
             self._stats = payload
 
     def _engine_died(self) -> None:
+        if self._stopping:
+            return  # the pipe closing is the shutdown we asked for
         if self._dead is None:
             self._dead = f"engine process exited (code {self.process.exitcode})"
             logger.error(self._dead)
@@ -193,6 +196,7 @@ class AsyncEngine:
         return self._dead is None and self.process.is_alive()
 
     async def shutdown(self) -> None:
+        self._stopping = True
         self._outbox.put(("shutdown",))
         await asyncio.to_thread(self.process.join, 10)
         if self.process.is_alive():
