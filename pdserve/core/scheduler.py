@@ -59,7 +59,8 @@ class Scheduler:
 
     # -- intake ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self.held_for_transfer:
+        if (request.request_id in self.requests or request.request_id in self.held_for_transfer
+                or request.request_id in self.aborted_while_loading):
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         capacity = self.kv.pool.num_blocks * self.block_size
         if request.num_prompt_tokens >= capacity:
@@ -101,7 +102,10 @@ class Scheduler:
         return sum(len(self.kv.get_block_ids(r)) for r in self.held_for_transfer)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests or self.held_for_transfer or self.aborted_while_loading)
+        # Pending updates and finished ids too: an abort's final output and the runner's cleanup
+        # must go out even when nothing else is left to run.
+        return bool(self.requests or self.held_for_transfer or self.aborted_while_loading
+                    or self._updates or self._finished_ids)
 
     # -- decide ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pdserve.config import EngineConfig
+from pdserve.kv_transfer.base import KVTransferParams
 from pdserve.outputs import FinishReason, RequestOutput
 from pdserve.sampling_params import SamplingParams
 
@@ -172,6 +173,7 @@ class AsyncEngine:
             return
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        KVTransferParams.from_dict(kv_transfer_params)  # malformed: a 400 for the client, not a dead engine
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self._outbox.put(("add", request_id, list(prompt_token_ids), params, kv_transfer_params))

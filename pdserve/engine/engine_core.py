@@ -15,6 +15,7 @@ from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.scheduler import RequestUpdate, Scheduler
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.kv_transfer.base import KVTransferParams
 from pdserve.kv_transfer.factory import create_connector
 from pdserve.model.loader import load_tokenizer, resolve_model_path
 from pdserve.outputs import RequestOutput
@@ -74,6 +75,7 @@ class EngineCore:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(prompt_token_ids)} tokens, the model's length is "
                              f"{self.max_model_len}")
+        KVTransferParams.from_dict(kv_transfer_params)  # malformed params: ValueError here, not in the loop
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                           self.max_model_len, kv_transfer_params)
         self.scheduler.add_request(request)

@@ -56,6 +56,7 @@ class KVTransferParams:
     tp_size: int = 1
     transfer_id: str | None = None
     num_remote_tokens: int | None = None  # prompt tokens whose KV P computed
+    lease_seconds: float | None = None    # how long P holds the blocks without a heartbeat
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "KVTransferParams | None":
@@ -64,6 +65,10 @@ class KVTransferParams:
         if not isinstance(data, dict):
             raise ValueError("kv_transfer_params: must be an object")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        for name, types in _FIELD_TYPES.items():
+            value = known.get(name)
+            if value is not None and (not isinstance(value, types) or isinstance(value, bool) != (bool in types)):
+                raise ValueError(f"kv_transfer_params: {name} has the wrong type ({type(value).__name__})")
         params = cls(**known)
         if params.do_remote_prefill:
             missing = [f for f in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
@@ -77,6 +82,15 @@ class KVTransferParams:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+# What each field must be when present: a malformed value must be refused at the door (HTTP 400),
+# never reach the engine loop.
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "do_remote_decode": (bool,), "do_remote_prefill": (bool,), "remote_engine_id": (str,),
+    "remote_request_id": (str,), "remote_block_ids": (list,), "remote_host": (str,), "remote_port": (int,),
+    "tp_size": (int,), "transfer_id": (str,), "num_remote_tokens": (int,), "lease_seconds": (int, float),
+}
 
 
 class KVConnectorScheduler(ABC):

@@ -25,6 +25,8 @@ Lifecycle of one disaggregated request, as this half sees it:
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,11 @@ from pdserve.kv_transfer.base import ConnectorMeta, KVConnectorScheduler, KVTran
 if TYPE_CHECKING:
     from pdserve.core.batch import SchedulerOutput
     from pdserve.core.request import Request
+
+
+logger = logging.getLogger(__name__)
+
+LEASE_SAFETY = 0.75  # of P's lease a request may wait on D before its load is started
 
 
 @dataclass(frozen=True)
@@ -63,8 +70,11 @@ class PullConnectorMeta(ConnectorMeta):
 
 class PullConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, host: str, port: int, block_size: int,
-                 is_producer: bool, is_consumer: bool) -> None:
+                 is_producer: bool, is_consumer: bool, lease_seconds: float = 30.0,
+                 clock=time.monotonic) -> None:
         self.engine_id = engine_id
+        self.lease_seconds = lease_seconds
+        self.clock = clock
         self.host = host
         self.port = port
         self.block_size = block_size
@@ -90,7 +100,19 @@ class PullConnectorScheduler(KVConnectorScheduler):
                          len(params.remote_block_ids) * self.block_size)
         num_new = num_remote - num_computed_tokens
         # Nothing left to load (D's own prefix cache covers it): compute the rest locally.
-        return (num_new, True) if num_new > 0 else (0, False)
+        if num_new <= 0:
+            return 0, False
+        # P's lease started before this request reached D, and D sends heartbeats only once a load
+        # is under way: a request that queued here for most of the lease may find P's blocks freed
+        # and reused. Recompute it rather than read them.
+        lease = params.lease_seconds or self.lease_seconds
+        if self.clock() - request.arrival_time > LEASE_SAFETY * lease:
+            logger.warning("request %s waited %.1f s of P's %.0f s lease before its KV load: "
+                           "recomputing its prompt", request.request_id,
+                           self.clock() - request.arrival_time, lease)
+            request.kv_transfer_params = None
+            return 0, False
+        return num_new, True
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -137,6 +159,7 @@ class PullConnectorScheduler(KVConnectorScheduler):
             tp_size=1,
             transfer_id=params.get("transfer_id"),
             num_remote_tokens=request.num_prompt_tokens,
+            lease_seconds=self.lease_seconds,
         ).to_dict()
 
     def request_aborted_while_loading(self, request: "Request") -> None:

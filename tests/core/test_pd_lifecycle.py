@@ -176,3 +176,39 @@ def test_nothing_left_to_load_computes_locally_instead_of_parking(pd):
     results, _ = d.drain()
     assert len(results["req"]) == 2
     assert_no_leaks(d.s)  # (P keeps its copy until the lease runs out: nobody reads it)
+
+
+def test_request_that_waited_most_of_the_lease_recomputes_instead_of_reading():
+    """P's blocks may already be freed and reused when D starts a load late: D recomputes."""
+    now = [0.0]
+    p = Instance("producer", "P-late", lease_seconds=10)
+    d = Instance("consumer", "D-late", lease_seconds=10)
+    d.conn_s.clock = lambda: now[0]
+    try:
+        prompt = list(range(60, 73))
+        params = run_p(p, "req", prompt)
+        assert params["lease_seconds"] == 10
+        late = Request("req", prompt, SamplingParams(max_tokens=3), kv_transfer_params=params, arrival_time=0.0)
+        now[0] = 8.0  # 80 % of the lease has gone by while the request queued on D
+        d.s.add_request(late)
+        results, _ = d.drain()
+        assert results["req"] == [fake_token(12 + i) for i in range(3)]
+        assert d.conn_w.stats["kv_transfer_descriptors_total"] == 0 and late.num_cached_tokens == 0
+        assert_no_leaks(d.s)
+    finally:
+        p.close(), d.close()
+
+
+def test_request_id_of_an_aborted_load_cannot_be_reused_until_it_ends(pd):
+    p, d = pd
+    prompt = list(range(30))
+    params = run_p(p, "req", prompt)
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params))
+    out = d.s.schedule()
+    d.s.abort_requests(["req"])
+    with pytest.raises(ValueError, match="already in use"):
+        d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=4)))
+    d.s.update_from_output(out, d.runner.execute(out))
+    d.drain()
+    p.drain()
+    assert_no_leaks(d.s), assert_no_leaks(p.s)

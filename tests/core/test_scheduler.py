@@ -139,3 +139,19 @@ def test_many_concurrent_mixed_lengths():
     for i in range(32):
         assert results[f"r{i}"] == expected(1 + (i * 5) % 23, 1 + i % 7)
     assert_no_leaks(s)
+
+
+def test_abort_of_the_last_request_still_counts_as_work_until_reported():
+    s = make_scheduler()
+    s.add_request(req("a", 5, max_tokens=50))
+    runner = FakeRunner(64)
+    out = s.schedule()
+    s.update_from_output(out, runner.execute(out))
+    s.abort_requests(["a"])
+    assert s.has_unfinished()  # the abort's final output and the runner's cleanup are pending
+    out = s.schedule()
+    assert "a" in out.finished_request_ids
+    updates = s.update_from_output(out, runner.execute(out))
+    assert [u.request.status for u in updates] == [RequestStatus.FINISHED_ABORTED]
+    assert not s.has_unfinished()
+    assert_no_leaks(s)

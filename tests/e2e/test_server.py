@@ -71,3 +71,16 @@ def test_disconnect_frees_the_blocks(server):
     assert wait_until(lambda: server.metrics()["kv_cache_usage_perc"] == 0
                       and server.metrics()["num_requests_running"] == 0, timeout=10)
     assert server.metrics()["request_abort_total"] == 1
+
+
+@pytest.mark.parametrize("params", [
+    {"do_remote_prefill": True},                                   # required fields missing
+    {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_host": "h",
+     "remote_port": "abc", "remote_block_ids": [1]},              # wrong type
+    {"do_remote_prefill": True, "remote_engine_id": ["p"], "remote_request_id": "r", "remote_host": "h",
+     "remote_port": 1, "remote_block_ids": [1], "num_remote_tokens": "5"},
+])
+def test_malformed_kv_transfer_params_are_a_400_and_the_engine_survives(server, client, params):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="default", prompt="hi", max_tokens=2, extra_body={"kv_transfer_params": params})
+    assert client.completions.create(model="default", prompt="hi", max_tokens=2).usage.completion_tokens == 2
