@@ -49,10 +49,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a request that retries after a failed allocation
+        looks up again; only the lookup that was used counts)."""
+        self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,

@@ -151,7 +151,8 @@ class Scheduler:
                 continue
 
             computed_blocks, num_local = [], request.num_computed_tokens
-            if num_local == 0:
+            looked_up = num_local == 0 and self.kv.enable_caching
+            if looked_up:
                 computed_blocks, num_local = self.kv.get_computed_blocks(request)
             num_external, load_async = 0, False
             if self.connector is not None and request.kv_transfer_params:
@@ -170,6 +171,8 @@ class Scheduler:
                 request, num_new + num_external, computed_blocks, num_local - request.num_computed_tokens)
             if new_block_ids is None:
                 break  # waiting requests never preempt running ones
+            if looked_up:
+                self.kv.record_prefix_query(request.num_tokens, num_local)
             self.waiting.popleft()
             request.num_computed_tokens = num_local
             request.num_cached_tokens = max(request.num_cached_tokens, num_local)

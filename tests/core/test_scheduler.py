@@ -155,3 +155,16 @@ def test_abort_of_the_last_request_still_counts_as_work_until_reported():
     assert [u.request.status for u in updates] == [RequestStatus.FINISHED_ABORTED]
     assert not s.has_unfinished()
     assert_no_leaks(s)
+
+
+def test_prefix_cache_counters_count_each_admitted_request_once():
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4)
+    s.add_request(req("a", 16, max_tokens=4))          # holds 4-5 of the 6 blocks
+    s.add_request(req("b", 12, max_tokens=1, base=50))  # cannot be admitted until a finishes
+    runner = FakeRunner(6)
+    for _ in range(3):
+        out = s.schedule()
+        s.update_from_output(out, runner.execute(out))
+    run_to_completion(s, runner)
+    assert s.kv.prefix_cache_queries == 16 + 12
+    assert_no_leaks(s)
