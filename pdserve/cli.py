@@ -95,16 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a local P/D cluster",
                         description="Start prefill and decode instances and the proxy on this machine, "
                                     "wait until healthy, print the URL; Ctrl-C stops everything.")
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--host", default="127.0.0.1", help="address of the proxy and every instance")
     up.add_argument("--port", type=int, default=8000, help="the proxy's port; instances take the next ones")
-    up.add_argument("--num-prefill", type=int, default=1)
-    up.add_argument("--num-decode", type=int, default=1)
+    up.add_argument("--num-prefill", type=int, default=1, help="prefill (producer) instances")
+    up.add_argument("--num-decode", type=int, default=1,
+                    help="decode (consumer) instances; on CPU the cores are split evenly among all instances, "
+                         "on CUDA each instance gets one GPU")
     _add_model_args(up)
     up.add_argument("--kv-connector", default="nixl", choices=["nixl", "cuda_ipc"],
                     help="how D pulls P's KV blocks")
     up.add_argument("--kv-transfer-config", default=None, help="JSON passed to every instance")
-    up.add_argument("--max-num-batched-tokens", type=int, default=None)
-    up.add_argument("--kv-cache-memory", type=int, default=None)
+    up.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step of each instance")
+    up.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per instance on CPU")
     up.set_defaults(func=up_main)
 
     from pdserve.bench.cli import add_bench_subparsers
