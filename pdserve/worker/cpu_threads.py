@@ -1,8 +1,8 @@
 """How many torch threads an engine should use on CPU.
 
-More threads are not always faster: on some virtual machines the cores torch sees share one physical
-core, and OpenMP's synchronization then makes 2 threads slower than 1 (measured on this project's
-2-core machines: a [64x576]x[576x3072] matmul ran at 74 GFLOP/s on 1 thread and 33 on 2). So unless
+More threads are not always faster. On this project's 2-core machines a [64x576]x[576x3072] matmul
+ran at 57-60 GFLOP/s on 1 thread and 106-120 on 2 when the machine was quiet, but at 74 on 1 and 33
+on 2 while other processes shared the cores (OpenMP threads wait for a descheduled peer). So unless
 told, the engine times a small matmul at 1 thread and at every allowed core, and keeps the faster.
 """
 from __future__ import annotations
