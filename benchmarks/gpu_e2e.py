@@ -15,53 +15,18 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.e2e.cluster import Process  # noqa: E402  (the same process helpers as the tests)
 
 
-class Child:
-    def __init__(self, args: list[str], gpu: str | None, log_dir: Path, name: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        self.log = open(log_dir / f"{name}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args, "--port", str(self.port)],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait(self, timeout: float = 300) -> "Child":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.log.name}: exited {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError(f"{self.log.name}: not healthy")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def child(args: list[str], gpu: str | None, log_dir: Path, name: str) -> Process:
+    return Process(args, name, env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
+                   log_dir=str(log_dir))
 
 
 async def one_request(session, url: str, model: str, prompt: list[int], output_len: int, delay: float) -> dict:
@@ -150,20 +115,20 @@ def main() -> None:
 
     children = []
     try:
-        prefill = Child(common + ["--kv-connector", args.kv_connector, "--kv-role", "producer"], "0", log_dir, "prefill")
-        decode = Child(common + ["--kv-connector", args.kv_connector, "--kv-role", "consumer"], "1", log_dir, "decode")
+        prefill = child(common + ["--kv-connector", args.kv_connector, "--kv-role", "producer"], "0", log_dir, "prefill")
+        decode = child(common + ["--kv-connector", args.kv_connector, "--kv-role", "consumer"], "1", log_dir, "decode")
         children += [prefill, decode]
-        prefill.wait(), decode.wait()
-        proxy = Child(["proxy", "--prefill", prefill.url, "--decode", decode.url], None, log_dir, "proxy")
+        prefill.wait_healthy(300), decode.wait_healthy(300)
+        proxy = child(["proxy", "--prefill", prefill.url, "--decode", decode.url], None, log_dir, "proxy")
         children.append(proxy)
-        proxy.wait(60)
+        proxy.wait_healthy(60)
         pd_results, pd_duration = asyncio.run(run_workload(proxy.url, args.model, prompts, args.output_len, arrivals))
     finally:
         for c in reversed(children):
             c.stop()
-    colocated = Child(common, "0", log_dir, "colocated")
+    colocated = child(common, "0", log_dir, "colocated")
     try:
-        colocated.wait()
+        colocated.wait_healthy(300)
         co_results, co_duration = asyncio.run(run_workload(colocated.url, args.model, prompts, args.output_len, arrivals))
     finally:
         colocated.stop()

@@ -2,15 +2,15 @@
 import asyncio, random, sys, urllib.request
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_e2e import Child, run_workload, summarize
+from gpu_e2e import child, run_workload, summarize
 
 log = Path("/tmp/probe"); log.mkdir(exist_ok=True)
 common = ["serve", "--model", "llama-3.1-8b", "--load-format", "dummy", "--max-model-len", "1216"]
-P = Child(common + ["--kv-connector", "cuda_ipc", "--kv-role", "producer"], "0", log, "p")
-D = Child(common + ["--kv-connector", "cuda_ipc", "--kv-role", "consumer"], "1", log, "d")
+P = child(common + ["--kv-connector", "cuda_ipc", "--kv-role", "producer"], "0", log, "p")
+D = child(common + ["--kv-connector", "cuda_ipc", "--kv-role", "consumer"], "1", log, "d")
 try:
-    P.wait(); D.wait()
-    X = Child(["proxy", "--prefill", P.url, "--decode", D.url], None, log, "x"); X.wait(60)
+    P.wait_healthy(300); D.wait_healthy(300)
+    X = child(["proxy", "--prefill", P.url, "--decode", D.url], None, log, "x"); X.wait_healthy(60)
     rng = random.Random(0)
     n, out_len = int(sys.argv[1]), int(sys.argv[2])
     prompts = [[rng.randrange(1000, 30000) for _ in range(1024)] for _ in range(n)]

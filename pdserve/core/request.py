@@ -50,10 +50,10 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
-        budget = (max_model_len - len(prompt_token_ids)) if max_model_len else None
-        wanted = sampling_params.max_tokens
-        self.max_tokens = min(x for x in (budget, wanted) if x is not None) if (budget or wanted) else 1
-        self.max_tokens = max(1, self.max_tokens)
+        # Output tokens allowed: what was asked, capped by the room the model's length leaves.
+        limits = [n for n in (sampling_params.max_tokens,
+                              max_model_len - len(prompt_token_ids) if max_model_len else None) if n is not None]
+        self.max_tokens = max(1, min(limits)) if limits else 1
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -17,6 +17,7 @@ One step:
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -139,7 +140,7 @@ class Scheduler:
         )
         self._finished_ids = set()
         if self.connector is not None:
-            object.__setattr__(out, "connector_meta", self.connector.build_connector_meta(out))
+            out = dataclasses.replace(out, connector_meta=self.connector.build_connector_meta(out))
         return out
 
     def _schedule_waiting(self, scheduled: list[tuple[Request, int]], budget: int) -> int:

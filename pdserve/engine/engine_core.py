@@ -67,6 +67,7 @@ class EngineCore:
         self.scheduler = Scheduler(sc, kv, connector_scheduler,
                                    config.kv_transfer.kv_load_failure_policy)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.last_step_was_empty = True  # the engine process polls transfers instead of spinning
         self.eos_token_ids = info.eos_token_ids
 
     # -- requests ----------------------------------------------------------------------------
@@ -105,8 +106,7 @@ class EngineCore:
         finished = request.is_finished
         error = request.error
         if request.status == RequestStatus.FINISHED_ERROR and self.connector_worker is not None:
-            error = getattr(self.connector_worker, "get_load_error", lambda _: None)(
-                request.request_id) or error
+            error = self.connector_worker.get_load_error(request.request_id) or error
         output = RequestOutput(
             request_id=request.request_id,
             new_token_ids=update.new_token_ids,

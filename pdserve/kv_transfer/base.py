@@ -141,6 +141,10 @@ class KVConnectorWorker(ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
 
+    def get_load_error(self, request_id: str) -> str | None:
+        """Why the request's load failed, for the client's error message (once; None if unknown)."""
+        return None
+
     def num_pending_requests(self) -> int:
         """Requests this half still tracks (held, queued, in flight, or to report). While it is
         above zero the engine keeps stepping, also with no request to compute."""

@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 from pdserve.config import KVTransferConfig
-from pdserve.kv_transfer.pull_worker_common import (  # noqa: F401  (re-exported for callers and tests)
-    INJECT_READ_FAILURE_MODES, LOAD_ERROR_TTL_S, TRANSFER_SECONDS_BUCKETS, PullConnectorWorker, _Recv, _Region,
-    _RemoteEngine, check_inject_read_failure, coalesce, compat_hash)
+from pdserve.kv_transfer.pull_worker_common import (
+    PullConnectorWorker, _Recv, _Region, _RemoteEngine, check_inject_read_failure)
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config

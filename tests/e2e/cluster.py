@@ -19,12 +19,16 @@ def free_port() -> int:
 
 
 class Process:
-    def __init__(self, args: list[str], name: str) -> None:
+    """`python -m pdserve ARGS --port FREE_PORT`, its output in LOG_DIR/pdserve-NAME-PORT.log; `env`
+    adds variables (e.g. CUDA_VISIBLE_DEVICES)."""
+
+    def __init__(self, args: list[str], name: str, env: dict[str, str] | None = None,
+                 log_dir: str = "/tmp") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
-        self.log = open(f"/tmp/pdserve-test-{name}-{self.port}.log", "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log = open(os.path.join(log_dir, f"pdserve-{name}-{self.port}.log"), "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args, "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
 

@@ -6,7 +6,6 @@ import json
 import random
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

@@ -3,7 +3,6 @@ prefix-cache hits, chunked prefill, preemption and concurrency."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.engine.llm import LLM
 from pdserve.outputs import FinishReason

@@ -21,7 +21,8 @@ except ImportError:
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.nixl import NixlConnectorWorker, coalesce
+from pdserve.kv_transfer.nixl import NixlConnectorWorker
+from pdserve.kv_transfer.pull_worker_common import coalesce
 from pdserve.kv_transfer.pull import PullConnectorMeta, RecvSpec, SendSpec
 
 NUM_BLOCKS = 32
