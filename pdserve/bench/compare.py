@@ -5,8 +5,8 @@ disaggregated serving on the same total devices, model, weights and workload, by
 across arrival rates, so that no configuration wins by having more hardware. The configurations:
   colocated          N × `pdserve serve --no-chunked-prefill`, behind `pdserve proxy --colocated` (round-robin)
   colocated-chunked  N × `pdserve serve --max-num-batched-tokens B` (chunked prefill on), behind the same
-  disaggregated      P × `serve --kv-connector nixl --kv-role producer` + (N - P) × `--kv-role consumer`,
-                     behind `pdserve proxy --prefill ... --decode ...`
+  disaggregated      P × `serve --kv-connector K --kv-role producer` + (N - P) × `--kv-role consumer`,
+                     behind `pdserve proxy --prefill ... --decode ...` (K: --kv-connector, nixl or cuda_ipc)
 Equal devices: instance i of every configuration gets device i of N: on CPU the i-th of N equal,
 disjoint core sets (`--cpu-cores`, `--num-threads`), on CUDA one GPU (CUDA_VISIBLE_DEVICES). The
 proxy and this client are not pinned; they share the machine alike in every configuration.
@@ -47,6 +47,7 @@ from pdserve.bench.runner import BenchConfig, run_benchmark, run_sweep
 from pdserve.cluster import ChildProcesses, split_cores
 
 CONFIG_NAMES = ("colocated", "colocated-chunked", "disaggregated")
+KV_CONNECTORS = ("nixl", "cuda_ipc")
 PROXY_START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0           # an instance shuts its engine process down before it exits
 
@@ -112,6 +113,7 @@ class CompareConfig:
     max_num_batched_tokens: int | None = None  # colocated and disaggregated; None: the instance default
     prefix_caching: bool = False  # off: a sweep repeats its prompts at every rate, which would hit the cache
     serve_args: tuple[str, ...] = ()  # model flags for every instance (--model, --dtype, --seed, ...)
+    kv_connector: str = "nixl"    # disaggregated: --kv-connector (nixl | cuda_ipc)
     kv_transfer_config: str | None = None  # disaggregated: --kv-transfer-config JSON
     device: str = "auto"         # auto | cpu | cuda
     host: str = "127.0.0.1"
@@ -132,6 +134,8 @@ class CompareConfig:
             self.num_prefill()
         if self.chunked_budget < 1:
             raise ValueError(f"chunked_budget: must be >= 1, got {self.chunked_budget}")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector: expected one of {', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: expected auto, cpu or cuda, got {self.device!r}")
         if not (0 < self.base_port and self.base_port + self.num_devices < 65536):
@@ -213,7 +217,7 @@ def plan_deployment(config: str, cc: CompareConfig, devices: Sequence[Device]) -
         elif config == "colocated-chunked":
             args += ["--max-num-batched-tokens", str(cc.chunked_budget)]
         else:
-            args += ["--kv-connector", "nixl", "--kv-role", "producer" if role == "prefill" else "consumer",
+            args += ["--kv-connector", cc.kv_connector, "--kv-role", "producer" if role == "prefill" else "consumer",
                      "--engine-id", f"{role}-{i}", *budget]
             if cc.kv_transfer_config:
                 args += ["--kv-transfer-config", cc.kv_transfer_config]
@@ -449,7 +453,7 @@ core sets, on CUDA one GPU each; a proxy in front on --base-port), warmed up, sw
 workload at every --request-rates (same prompts and seed), and stopped:
   colocated          N x `pdserve serve --no-chunked-prefill` behind `pdserve proxy --colocated`
   colocated-chunked  N x `pdserve serve --max-num-batched-tokens <--chunked-budget>` behind the same
-  disaggregated      P prefill + (N-P) decode instances (--kv-connector nixl) behind the P/D proxy
+  disaggregated      P prefill + (N-P) decode instances (--kv-connector, nixl) behind the P/D proxy
 Per configuration the summary gives the highest rate whose SLO attainment (and every lower rate's)
 reaches --target-attainment, that rate per device, and at each rate TTFT p90, TPOT p90 and attainment.
 --seed seeds the workload and the dummy weights (--load-format dummy) alike. Prefix caching is off
@@ -486,6 +490,8 @@ def add_compare_parser(bench_sub: argparse._SubParsersAction) -> None:
                    help="token budget of colocated and disaggregated instances (default: the instance's, 2048); "
                         "without chunked prefill it also caps the prompt length")
     g.add_argument("--prefix-caching", action="store_true", help="keep prefix caching on in every instance")
+    g.add_argument("--kv-connector", default="nixl", choices=KV_CONNECTORS,
+                   help="disaggregated: the KV transport (cuda_ipc: GPUs of one host, no NIXL needed)")
     g.add_argument("--kv-transfer-config", default=None, help="disaggregated: JSON for every P and D instance")
 
     m = p.add_argument_group("model (passed to every instance)")
@@ -519,7 +525,7 @@ def compare_config_from_args(args: argparse.Namespace) -> CompareConfig:
     cc = CompareConfig(configs=args.configs, num_devices=args.num_devices, prefill_share=args.prefill_share,
                        chunked_budget=args.chunked_budget, max_num_batched_tokens=args.max_num_batched_tokens,
                        prefix_caching=args.prefix_caching, serve_args=tuple(serve_args),
-                       kv_transfer_config=args.kv_transfer_config, device=args.device, host=args.host,
+                       kv_connector=args.kv_connector, kv_transfer_config=args.kv_transfer_config, device=args.device, host=args.host,
                        base_port=args.base_port, start_timeout_s=args.start_timeout, num_warmup=args.num_warmup)
     cc.validate()
     return cc

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -24,6 +25,17 @@ from pdserve.worker.cpu_threads import choose_num_threads
 from pdserve.worker.model_runner import ModelRunner, resolve_device_and_dtype
 
 logger = logging.getLogger(__name__)
+
+
+def _slow_step_seconds() -> float | None:
+    """$PDSERVE_LOG_SLOW_STEP_MS: log every step slower than this, with its batch (default: off)."""
+    value = os.environ.get("PDSERVE_LOG_SLOW_STEP_MS")
+    if not value:
+        return None
+    try:
+        return float(value) / 1000.0
+    except ValueError:
+        raise ValueError(f"PDSERVE_LOG_SLOW_STEP_MS: expected milliseconds, got {value!r}") from None
 
 
 class EngineCore:
@@ -69,6 +81,7 @@ class EngineCore:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_step_was_empty = True  # the engine process polls transfers instead of spinning
         self.eos_token_ids = info.eos_token_ids
+        self.slow_step_s = _slow_step_seconds()
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -91,11 +104,22 @@ class EngineCore:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         runner_output = self.runner.execute_model(out)
         updates = self.scheduler.update_from_output(out, runner_output)
+        if self.slow_step_s is not None and time.perf_counter() - start > self.slow_step_s:
+            self._log_slow_step(out, time.perf_counter() - start)
         self.last_step_was_empty = out.is_empty
         return [self._make_output(u) for u in updates]
+
+    def _log_slow_step(self, out, seconds: float) -> None:
+        """Which batch was slow: a stall (a compile, a transfer wait) shows as a small batch taking long."""
+        query_lens = sorted((len(s.token_ids) for s in out.scheduled), reverse=True)
+        num_decodes = sum(n == 1 for n in query_lens)
+        logger.warning("slow step: %.0f ms, %d tokens from %d sequences (%d decodes; longest chunks %s), "
+                       "%d waiting, %d running", seconds * 1000, out.num_scheduled_tokens, len(query_lens),
+                       num_decodes, query_lens[:4], len(self.scheduler.waiting), len(self.scheduler.running))
 
     def _make_output(self, update: RequestUpdate) -> RequestOutput:
         request = update.request

@@ -122,7 +122,11 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return acc, m_new, l_i
 
-    @triton.jit
+    # Triton compiles a variant per value class of each int argument (== 1, divisible by 16, other):
+    # the batch size and the block-table width change every step, and a new variant met while serving
+    # costs a compile (about a second) inside one step. They are not specialized; the rest are fixed
+    # per model.
+    @triton.jit(do_not_specialize=["num_seqs", "stride_table"])
     def _attn_kernel(q_ptr, kv_ptr, out_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
                      part_acc_ptr, part_ml_ptr,
                      scale_log2, num_seqs, block_size, num_heads,

@@ -75,10 +75,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int) -> None:
-        """Run the shapes serving will meet before the first request does: a full-budget prefill and a
-        mixed prefill + decode step. On CUDA their first run compiles kernels (Triton, torch.compile),
-        which would otherwise land on the first clients' TTFT. Writes only into blocks that no
-        request holds yet (the cache is empty at start-up)."""
+        """Run the shapes serving will meet before the first request does: a full-budget prefill, a
+        mixed prefill + decode step, and prefills of 2, 3, 5, 9, ... tokens (kernels pick tile shapes
+        by the next power of two of the longest query). On CUDA their first run compiles kernels
+        (Triton, torch.compile), which would otherwise land on some client's TTFT, seconds into
+        serving. Writes only into blocks that no request holds yet (the cache is empty at start-up)."""
         if self.device.type != "cuda":
             return
         bs, greedy = self.block_size, SamplingParams(temperature=0.0)
@@ -89,6 +90,10 @@ class ModelRunner:
             [ScheduledRequest("warm-chunk", [0] * min(17, num_tokens - 1), 1, blocks, greedy, True),
              ScheduledRequest("warm-decode", [0], num_tokens - 1, blocks, greedy, True)],
         ]
+        length = 2
+        while length < num_tokens:
+            steps.append([ScheduledRequest("warm-short", [0] * length, 0, blocks, greedy, True)])
+            length = 2 * length - 1  # 2, 3, 5, 9, 17, ...: one length per power-of-two bucket
         for scheduled in steps:
             self._run(SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled)))
         torch.cuda.synchronize(self.device)

@@ -93,13 +93,14 @@ def test_each_config_gets_its_flags_roles_and_the_same_core_split():
 
 def test_budget_prefix_caching_and_kv_transfer_config_reach_the_right_instances():
     cc = cpu_config(max_num_batched_tokens=4096, chunked_budget=256, prefix_caching=True,
-                    kv_transfer_config='{"lease_seconds": 5}')
+                    kv_connector="cuda_ipc", kv_transfer_config='{"lease_seconds": 5}')
     devices = split_devices(cc)
     budgets = {name: [flag(i.args, "--max-num-batched-tokens") for i in plan_deployment(name, cc, devices).instances]
                for name in compare.CONFIG_NAMES}
     assert budgets == {"colocated": ["4096"] * 2, "colocated-chunked": ["256"] * 2, "disaggregated": ["4096"] * 2}
     disagg = plan_deployment("disaggregated", cc, devices)
     assert all(flag(i.args, "--kv-transfer-config") == '{"lease_seconds": 5}' for i in disagg.instances)
+    assert all(flag(i.args, "--kv-connector") == "cuda_ipc" for i in disagg.instances)
     assert not any("--no-prefix-caching" in i.args for i in disagg.instances)
 
 
@@ -114,7 +115,7 @@ def test_prefill_share_splits_the_devices(num_devices, share, num_prefill):
     (dict(num_devices=1), "num_devices"), (dict(num_devices=4, prefill_share="2:3"), "prefill_share"),
     (dict(prefill_share="1.5"), "prefill_share"), (dict(prefill_share="1P1D"), "prefill_share"),
     (dict(configs=("colocated", "pd")), "configs"),
-    (dict(chunked_budget=0), "chunked_budget")])
+    (dict(chunked_budget=0), "chunked_budget"), (dict(kv_connector="loopback"), "kv_connector")])
 def test_bad_compare_configs_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         CompareConfig(**overrides).validate()

@@ -88,3 +88,25 @@ def test_identical_with_32_concurrent_mixed_lengths(default_llm, chat_prompts):
     default_llm.engine.scheduler.kv.reset_prefix_cache()
     together = default_llm.run([default_llm.add(p, sp) for p, sp in zip(prompts, params)])
     _assert_same_as(together, alone)
+
+
+def test_slow_steps_are_logged_with_their_batch(default_llm, monkeypatch, caplog):
+    engine = default_llm.engine
+    monkeypatch.setattr(engine, "slow_step_s", 0.0)  # as PDSERVE_LOG_SLOW_STEP_MS=0: every step is slow
+    with caplog.at_level("WARNING", logger="pdserve.engine.engine_core"):
+        default_llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow step")]
+    assert len(slow) == 2, slow
+    assert "5 tokens from 1 sequences (0 decodes; longest chunks [5])" in slow[0]
+    assert "1 tokens from 1 sequences (1 decodes" in slow[1]
+
+
+def test_slow_step_threshold_comes_from_the_environment(monkeypatch):
+    from pdserve.engine.engine_core import _slow_step_seconds
+    monkeypatch.delenv("PDSERVE_LOG_SLOW_STEP_MS", raising=False)
+    assert _slow_step_seconds() is None
+    monkeypatch.setenv("PDSERVE_LOG_SLOW_STEP_MS", "250")
+    assert _slow_step_seconds() == 0.25
+    monkeypatch.setenv("PDSERVE_LOG_SLOW_STEP_MS", "fast")
+    with pytest.raises(ValueError, match="PDSERVE_LOG_SLOW_STEP_MS"):
+        _slow_step_seconds()
