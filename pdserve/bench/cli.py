@@ -108,6 +108,8 @@ def _add_workload_args(p: argparse.ArgumentParser, *, is_sweep: bool, starts_ser
                       help="max_tokens (a jsonl 'output_len' wins)")
     work.add_argument("--range-ratio", type=float, default=0.0,
                       help="lengths uniform in [len*(1-r), len*(1+r)]")
+    work.add_argument("--output-range-ratio", type=float, default=None,
+                      help="the output lengths' r, when it differs from --range-ratio")
     work.add_argument("--prefix-len", type=_positive_int, default=256, help="shared prefix tokens (prefix-shared)")
     work.add_argument("--vocab-range", type=int, nargs=2, default=[1000, 20000], metavar=("LOW", "HIGH"),
                       help="random token ids are drawn from [LOW, HIGH)")
@@ -171,7 +173,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config = BenchConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, dataset=args.dataset,
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.range_ratio, prefix_len=args.prefix_len, vocab_range=tuple(args.vocab_range),
+        range_ratio=args.range_ratio, output_range_ratio=args.output_range_ratio, prefix_len=args.prefix_len, vocab_range=tuple(args.vocab_range),
         request_rate=getattr(args, "request_rate", float("inf")), burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, api_key=args.api_key,

@@ -38,6 +38,7 @@ class BenchConfig:
     input_len: int = 512                     # random part of the prompt, tokens
     output_len: int = 128                    # max_tokens
     range_ratio: float = 0.0                 # lengths uniform in [len*(1-r), len*(1+r)]
+    output_range_ratio: float | None = None  # output lengths' r, when not range_ratio
     prefix_len: int = 256                    # prefix-shared only: tokens every prompt starts with
     vocab_range: tuple[int, int] = (1000, 20000)  # random token ids are drawn from [low, high)
     request_rate: float = math.inf           # requests/s; inf sends everything at once
@@ -67,6 +68,8 @@ class BenchConfig:
             raise ValueError(f"output_len: must be >= 1, got {self.output_len}")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(f"range_ratio: must be in [0, 1), got {self.range_ratio}")
+        if self.output_range_ratio is not None and not 0.0 <= self.output_range_ratio < 1.0:
+            raise ValueError(f"output_range_ratio: must be in [0, 1), got {self.output_range_ratio}")
         if self.dataset == "prefix-shared" and self.prefix_len < 1:
             raise ValueError(f"prefix_len: must be >= 1 for dataset prefix-shared, got {self.prefix_len}")
         low, high = self.vocab_range
@@ -137,9 +140,10 @@ def build_requests(config: BenchConfig) -> list[RequestSpec]:
             endpoint=config.endpoint, num_prompts=config.num_prompts, input_len=config.input_len,
             output_len=config.output_len, range_ratio=config.range_ratio,
             prefix_len=config.prefix_len if config.dataset == "prefix-shared" else 0,
-            vocab_range=config.vocab_range, seed=config.seed)
+            vocab_range=config.vocab_range, seed=config.seed, output_range_ratio=config.output_range_ratio)
+    output_ratio = config.range_ratio if config.output_range_ratio is None else config.output_range_ratio
     return jsonl_requests(config.dataset, endpoint=config.endpoint, num_prompts=config.num_prompts,
-                          output_len=config.output_len, range_ratio=config.range_ratio, seed=config.seed)
+                          output_len=config.output_len, range_ratio=output_ratio, seed=config.seed)
 
 
 class ProgressBar:

@@ -64,12 +64,15 @@ def _random_words(rng: np.random.Generator, n: int) -> str:
 
 def synthetic_requests(*, endpoint: str, num_prompts: int, input_len: int, output_len: int,
                        range_ratio: float = 0.0, prefix_len: int = 0,
-                       vocab_range: tuple[int, int] = (1000, 20000), seed: int = 0) -> list[RequestSpec]:
+                       vocab_range: tuple[int, int] = (1000, 20000), seed: int = 0,
+                       output_range_ratio: float | None = None) -> list[RequestSpec]:
     """Random prompts, each `prefix_len` shared tokens followed by a unique random suffix of about
-    `input_len` tokens (dataset `random` is `prefix_len=0`, `prefix-shared` is `prefix_len>0`)."""
+    `input_len` tokens (dataset `random` is `prefix_len=0`, `prefix-shared` is `prefix_len>0`).
+    Output lengths vary by `output_range_ratio` (None: by `range_ratio` too)."""
     rng = np.random.default_rng(seed)
     input_lens = sample_lengths(rng, num_prompts, input_len, range_ratio)
-    output_lens = sample_lengths(rng, num_prompts, output_len, range_ratio)
+    output_lens = sample_lengths(rng, num_prompts, output_len,
+                                 range_ratio if output_range_ratio is None else output_range_ratio)
     if endpoint == "completions":
         prefix: list[int] = _random_ids(rng, prefix_len, vocab_range)
         return [RequestSpec(prompt=prefix + _random_ids(rng, n, vocab_range), messages=None,

@@ -16,6 +16,18 @@ def test_lengths_are_uniform_within_the_range_ratio():
     assert min(sample_lengths(rng, 100, 2, 0.9)) >= 1
 
 
+def test_output_lengths_can_vary_by_their_own_ratio():
+    # the decode-heavy workload of the GPU comparison: input 256-1,024, output 512-1,024
+    specs = synthetic_requests(endpoint="completions", num_prompts=2000, input_len=640, output_len=768,
+                               range_ratio=0.6, output_range_ratio=1 / 3, seed=0)
+    inputs, outputs = [s.prompt_len for s in specs], [s.output_len for s in specs]
+    assert (min(inputs), max(inputs)) == (256, 1024) and (min(outputs), max(outputs)) == (512, 1024)
+    same = synthetic_requests(endpoint="completions", num_prompts=50, input_len=64, output_len=64,
+                              range_ratio=0.5, seed=0)
+    assert same == synthetic_requests(endpoint="completions", num_prompts=50, input_len=64, output_len=64,
+                                      range_ratio=0.5, output_range_ratio=None, seed=0)
+
+
 def test_random_completions_prompts_are_token_ids_in_the_vocab_range_and_seeded():
     specs = synthetic_requests(endpoint="completions", num_prompts=4, input_len=32, output_len=8,
                                vocab_range=(1000, 1100), seed=1)
