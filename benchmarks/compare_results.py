@@ -1,0 +1,42 @@
+"""Turn a `pdserve bench compare` directory from the GPU machine into what is committed: each sweep
+JSON without the per-token inter-token latencies (17 MB → under 1 MB per configuration; every
+request keeps its TTFT, TPOT, E2E, token counts and errors), summary.json/md, the instance logs and
+compare.png (drawn here: the GPU image has no matplotlib).
+
+  .venv/bin/python benchmarks/compare_results.py SRC_DIR DEST_DIR
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from pdserve.bench.compare import CONFIG_NAMES
+from pdserve.bench.plots import plot_sweeps
+
+
+def main(src: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    sweeps = []
+    for name in CONFIG_NAMES:
+        path = src / f"{name}.json"
+        if not path.exists():
+            continue
+        sweep = json.loads(path.read_text())
+        for entry in sweep["results"]:
+            for request in entry["requests"]:
+                request.pop("itls", None)
+        (dest / path.name).write_text(json.dumps(sweep, indent=1))
+        sweeps.append((name, sweep))
+    for name in ("summary.json", "summary.md"):
+        shutil.copy(src / name, dest / name)
+    if (src / "logs").exists():
+        shutil.copytree(src / "logs", dest / "logs", dirs_exist_ok=True)
+    if sweeps:
+        plot_sweeps(sweeps, dest / "compare.png")
+    print(f"wrote {dest}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
