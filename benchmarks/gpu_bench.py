@@ -3,7 +3,7 @@ beside Hugging Face transformers. Llama-3.1-8B shape, bf16, random weights built
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_bench.py all --out-dir benchmarks/results
     PYTHONPATH=$PWD python3 benchmarks/gpu_bench.py decode,prefill,offline [--quick]
-    PDSERVE_FUSE_SMALL_OPS=0 ... for the model without the fused RMSNorm/SwiGLU (see worker/model_runner.py)
+    PDSERVE_FUSE_SMALL_OPS=0 ... for the model without the fused norms/SwiGLU (see model/layers.py)
 
 Each stage prints a table and writes <out-dir>/gpu-<stage>-<date>.json, and updates gpu-summary.json
 (the figures of the stages run now replace the previous ones; the others are kept). Ceilings (measured on this machine, shared/GPU.md): HBM 4.3e12 B/s (device copy,

@@ -7,7 +7,7 @@ so a block holds every layer's K and V for block_size tokens, contiguous in memo
 consecutive block ids is one contiguous byte range, one transfer descriptor. Layer i sees the view
 kv_cache[:, i]  # [blocks, 2, slots, heads, dim]
 
-Two implementations behind write_kv() and paged_attention():
+Two implementations behind write_kv(), rope_and_write_kv() and paged_attention():
   triton     (model/triton_attention.py) on CUDA: paged flash attention straight from the cache, GQA
              packed, split-K for decode; its write_kv skips negative slots (padded CUDA-graph rows).
   reference  plain torch, the ground truth the fast path is tested against; used on CPU.
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import triton_attention
+from pdserve.model.layers import apply_rotary
 
 BACKENDS = ("auto", "triton", "reference")
 BACKEND = os.environ.get("PDSERVE_ATTENTION_BACKEND", "auto")
@@ -68,6 +69,21 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     offsets = slot_mapping % block_size     # [T]
     kv_layer[block_ids, 0, offsets] = k
     kv_layer[block_ids, 1, offsets] = v
+
+
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_layer: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rotary embedding on q and k, then write_kv of the rotated k and v. Returns the rotated q.
+
+    q: [T, heads, dim], k, v: [T, kv_heads, dim]; cos, sin: [T, 1, dim/2] from RotaryEmbedding.
+    The fast path is one kernel that rotates q in place (q may be a view of the fused qkv output).
+    """
+    if use_triton(q):
+        triton_attention.rope_write_kv_triton(q, k, v, cos, sin, kv_layer, slot_mapping, block_size)
+        return q
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    write_kv(kv_layer, k, v, slot_mapping, block_size)
+    return q
 
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.model.attention import AttentionMetadata, paged_attention, write_kv
-from pdserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from pdserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv
+from pdserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -98,8 +98,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        write_kv(kv_layer, k, v, attn_metadata.slot_mapping, attn_metadata.block_size)
+        q = rope_and_write_kv(q, k, v, cos, sin, kv_layer, attn_metadata.slot_mapping, attn_metadata.block_size)
         out = paged_attention(q, kv_layer, attn_metadata, self.scale)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))     # [T, hidden]
 
@@ -123,10 +122,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(cfg, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings for layer 0, with residual None).
+        Returns (this layer's MLP output, the residual stream before it): each residual add is done
+        by the next norm, in one kernel with it."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_layer, attn_metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -146,9 +153,10 @@ class LlamaModel(nn.Module):
         Returns the final-normed hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions)      # each [T, 1, head_dim/2]
+        residual = None
         for layer_id, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_cache[:, layer_id], attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[:, layer_id], attn_metadata)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""

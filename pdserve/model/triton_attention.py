@@ -1,10 +1,12 @@
 """Triton kernels for paged attention on the GPU: the fast path behind model/attention.py.
 
-Three kernels, all reading the one-tensor KV cache by strides (layer i = kv_cache[:, i], a strided
-view [blocks, 2, slots, kv_heads, dim]) and the block table, never gathering K/V into new memory:
+Kernels reading the one-tensor KV cache by strides (layer i = kv_cache[:, i], a strided view
+[blocks, 2, slots, kv_heads, dim]) and the block table, never gathering K/V into new memory:
 
   write_kv_triton   this step's K/V into their slots; a negative slot is skipped (padded rows of a
                     CUDA-graph batch point there, so they write nothing).
+  rope_write_kv_triton  the same, fused with the rotary embedding of q (in place) and k: one kernel
+                    per layer instead of ~17.
   _attn_kernel      one kernel for a mixed batch (prefill chunks over a cached prefix + decodes).
                     A program owns BLOCK_Q query tokens of one sequence and ALL the query heads of one
                     KV head (GQA packed into the rows of the tile: row r = token r // GROUP_PAD,
@@ -74,6 +76,54 @@ if HAS_TRITON:
         dst = kv_ptr + block * stride_blk + offset * stride_slot + h * stride_head + d
         tl.store(dst, k, mask=mask)
         tl.store(dst + stride_kv, v, mask=mask)
+
+    @triton.jit
+    def _rotate_half(x1, x2, c, s, ROUND: tl.constexpr, dtype: tl.constexpr):
+        """(x1 c - x2 s, x2 c + x1 s). ROUND: round every product and sum to the activation dtype, as
+        the reference's elementwise ops do in bf16/fp16, so both paths give the same bits."""
+        if ROUND:
+            a = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
+            b = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+        else:
+            a = x1 * c - x2 * s
+            b = x2 * c + x1 * s
+        return a.to(dtype), b.to(dtype)
+
+    @triton.jit
+    def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr,
+                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+                              stride_blk, stride_kv, stride_slot, stride_head, block_size,
+                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                              KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                              ROUND: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        dtype = q_ptr.dtype.element_ty
+        j = tl.arange(0, HALF_PAD)[None, :]                      # [1, HALF] within each half
+        c = tl.load(cos_ptr + token * stride_cs + j, mask=j < HALF).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + token * stride_cs + j, mask=j < HALF).to(dtype).to(tl.float32)
+
+        h = tl.arange(0, HEADS_PAD)[:, None]                      # q: rotated in place
+        mask = (h < NUM_HEADS) & (j < HALF)
+        q = q_ptr + token * stride_qt + h * stride_qh + j
+        q1 = tl.load(q, mask=mask).to(tl.float32)
+        q2 = tl.load(q + HALF, mask=mask).to(tl.float32)
+        q1, q2 = _rotate_half(q1, q2, c, s, ROUND, dtype)
+        tl.store(q, q1, mask=mask)
+        tl.store(q + HALF, q2, mask=mask)
+
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:                                             # a padded graph row writes nothing
+            h = tl.arange(0, KV_HEADS_PAD)[:, None]
+            mask = (h < NUM_KV_HEADS) & (j < HALF)
+            k = k_ptr + token * stride_kt + h * stride_kh + j
+            k1, k2 = _rotate_half(tl.load(k, mask=mask).to(tl.float32),
+                                  tl.load(k + HALF, mask=mask).to(tl.float32), c, s, ROUND, dtype)
+            dst = kv_ptr + (slot // block_size) * stride_blk + (slot % block_size) * stride_slot + h * stride_head + j
+            tl.store(dst, k1, mask=mask)
+            tl.store(dst + HALF, k2, mask=mask)
+            v = v_ptr + token * stride_vt + h * stride_vh + j
+            tl.store(dst + stride_kv, tl.load(v, mask=mask), mask=mask)
+            tl.store(dst + stride_kv + HALF, tl.load(v + HALF, mask=mask), mask=mask)
 
     @triton.jit
     def _find_seq(query_start_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
@@ -236,6 +286,29 @@ def write_kv_triton(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_size, num_kv_heads, head_dim,
         BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim), num_warps=1 if head_dim <= 64 else 2)
+
+
+def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                         block_size: int) -> None:
+    """Rotary embedding on q (in place) and k, and k, v into their cache slots, in one kernel (the
+    unfused chain is ~16 elementwise kernels per layer, which dominate a small decode step).
+    q: [T, heads, dim], k, v: [T, kv_heads, dim], each with a contiguous last dim (views of the fused
+    qkv output are fine); cos, sin: [T, 1, dim/2] float32 (RotaryEmbedding); a negative slot writes
+    nothing to the cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_tokens == 0:
+        return
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and kv_layer.stride(-1) == 1
+    assert head_dim % 2 == 0 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    _rope_write_kv_kernel[(num_tokens,)](
+        q, k, v, cos, sin, kv_layer, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), block_size,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=_next_pow2(num_heads),
+        KV_HEADS_PAD=_next_pow2(num_kv_heads), HALF=head_dim // 2, HALF_PAD=_next_pow2(head_dim // 2),
+        ROUND=q.dtype != torch.float32, num_warps=4 if num_heads * head_dim >= 2048 else 1)
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int | None = None) -> int:

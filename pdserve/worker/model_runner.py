@@ -3,24 +3,20 @@
 Each step builds the flattened batch (no padding) as Python lists, moves it to the device with
 pinned, non-blocking copies, runs the model, samples the rows that asked for a token, and makes one
 host sync (`.tolist()`). On CUDA a pure-decode step replays a captured graph instead (worker/
-cuda_graphs.py; off with enforce_eager or PDSERVE_ENFORCE_EAGER=1), and the model's RMSNorm and SwiGLU
-run as compiled fused kernels (fuse_small_ops below). Around the forward pass it drives
+cuda_graphs.py; off with enforce_eager or PDSERVE_ENFORCE_EAGER=1). Around the forward pass it drives
 the connector's worker half; it does so on every step, also when nothing is scheduled, so KV transfers
 advance while all requests wait for them.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.config import CacheConfig, ModelConfig
 from pdserve.core.batch import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.model.attention import AttentionMetadata
-from pdserve.model.layers import RMSNorm, SiluAndMul
 from pdserve.model.loader import load_model
 from pdserve.model.sampler import sample
 from pdserve.sampling_params import SamplingParams
@@ -62,8 +58,6 @@ class ModelRunner:
         self.pin_memory = self.device.type == "cuda"
         self.max_model_len = model_config.max_model_len or self.info.max_model_len
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and os.environ.get("PDSERVE_FUSE_SMALL_OPS", "1") == "1":
-            fuse_small_ops(self.model)
         if self.device.type == "cuda" and not enforce_eager:
             self.capture_decode_graphs()
 
@@ -185,37 +179,3 @@ class ModelRunner:
             gen.manual_seed(seed)
             self.generators[item.request_id] = gen
         return gen
-
-
-# -- fusing the model's elementwise chains (on CUDA; PDSERVE_FUSE_SMALL_OPS=0 turns it off) -----------
-# RMSNorm is eight elementwise kernels and SwiGLU two: in eager PyTorch that is ~18 of the ~45 kernels
-# of a decoder layer, and each reads and writes the activations again. torch.compile fuses each chain
-# into one kernel (tensors-only functions, so one compilation serves every layer; ~7 s at start-up).
-# Measured on one H200 (docs/gpu.md): prefill MFU 57% -> 64% (1 x 8192), decode batch 256 -2 ms.
-# These belong in model/layers.py; the runner applies them until the model owns them.
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    input_dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(input_dtype)
-
-
-def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def fuse_small_ops(model: torch.nn.Module) -> None:
-    """Route every RMSNorm and SiluAndMul of `model` through compiled versions of the functions above
-    (the same math; compiled on first use, before any graph capture)."""
-    rms_norm = torch.compile(_rms_norm, dynamic=True)
-    silu_and_mul = torch.compile(_silu_and_mul, dynamic=True)
-
-    def rms_norm_forward(module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, module.weight, module.eps)
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.forward = functools.partial(rms_norm_forward, module)
-        elif isinstance(module, SiluAndMul):
-            module.forward = silu_and_mul

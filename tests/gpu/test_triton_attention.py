@@ -117,3 +117,35 @@ def test_write_kv_skips_negative_slots_and_matches_reference():
     real = slots >= 0
     write_kv_reference(expected[:, 2], k[real], v[real], slots[real], block_size)
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 2, 64), (6, 3, 80), (32, 8, 128)])
+def test_fused_rope_write_kv_matches_rotary_then_write_kv(num_heads, num_kv_heads, head_dim, dtype):
+    from pdserve.model.layers import RotaryEmbedding, apply_rotary
+    num_tokens, num_blocks, block_size = 7, 5, 4
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)  # views of the fused output, as in the model
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    rotary = RotaryEmbedding(head_dim, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                             torch.device(DEVICE))
+    cos, sin = rotary(torch.tensor([0, 1, 2, 17, 300, 4095, 9], device=DEVICE))
+    slots = torch.tensor([3, -1, 0, 19, 8, -1, 12], device=DEVICE)  # -1: a padded graph row
+    cache = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    expected = cache.clone()
+
+    q_ref, k_ref = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    real = slots >= 0
+    write_kv_reference(expected[:, 1], k_ref[real], v[real], slots[real], block_size)
+    triton_attention.rope_write_kv_triton(q, k, v, cos, sin, cache[:, 1], slots, block_size)
+
+    if dtype == torch.float32:  # the kernel may contract a multiply-add: ulps apart
+        torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(cache, expected, rtol=1e-6, atol=1e-6)
+    else:  # every product and sum rounded as the reference rounds them: the same bits
+        assert torch.equal(q, q_ref)
+        assert torch.equal(cache, expected)
