@@ -49,8 +49,13 @@ def visible_gpus() -> list[str]:
 
 
 def compare_command(workload: str, out_dir: Path, base_port: int, args: argparse.Namespace) -> list[str]:
+    overrides = []  # argparse keeps the last of a repeated flag
+    if args.num_prompts:
+        overrides += ["--num-prompts", args.num_prompts]
+    if args.request_rates:
+        overrides += ["--request-rates", args.request_rates]
     return [sys.executable, "-m", "pdserve", "bench", "compare", "--device", "cuda", "--num-devices", "2",
-            *MODEL, *WORKLOADS[workload], *SLO, "--ignore-eos", "--seed", "0",
+            *MODEL, *WORKLOADS[workload], *overrides, *SLO, "--ignore-eos", "--seed", "0",
             "--chunked-budget", str(args.chunked_budget), "--kv-connector", args.kv_connector,
             "--num-warmup", "4", "--start-timeout", "300", "--base-port", str(base_port),
             "--out-dir", str(out_dir), "--no-plot", "--no-progress"]
@@ -63,6 +68,8 @@ def main() -> int:
     p.add_argument("--time-limit", type=float, default=480.0, help="seconds per workload before SIGTERM")
     p.add_argument("--chunked-budget", type=int, default=2048)
     p.add_argument("--kv-connector", default="cuda_ipc", choices=("cuda_ipc", "nixl"))
+    p.add_argument("--num-prompts", default=None, help="override the workload's prompts per rate")
+    p.add_argument("--request-rates", default=None, help="override the workload's rates")
     args = p.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     gpus = visible_gpus()

@@ -16,12 +16,20 @@ import asyncio
 import datetime
 import json
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.e2e.cluster import Process  # noqa: E402  (the same process helpers as the tests)
+
+
+def describe_gpus() -> str:
+    names = [line.split(":")[1].split("(")[0].strip() for line in
+             subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.splitlines()
+             if line.startswith("GPU ")]
+    return f"{len(names)}x {names[0]}" if names else "no GPU listed"
 
 
 def child(args: list[str], gpu: str | None, log_dir: Path, name: str) -> Process:
@@ -101,6 +109,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--log-dir", default="/tmp/pdserve-e2e")
+    p.add_argument("--gpus", default="0,1", help="P's and D's GPU (the colocated instance takes P's)")
     args = p.parse_args()
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -113,10 +122,11 @@ def main() -> None:
     common = ["serve", "--model", args.model, "--load-format", "dummy", "--seed", str(args.seed),
               "--dtype", args.dtype, "--max-model-len", str(args.input_len + args.output_len + 64)]
 
+    gpu_p, gpu_d = args.gpus.split(",")
     children = []
     try:
-        prefill = child(common + ["--kv-connector", args.kv_connector, "--kv-role", "producer"], "0", log_dir, "prefill")
-        decode = child(common + ["--kv-connector", args.kv_connector, "--kv-role", "consumer"], "1", log_dir, "decode")
+        prefill = child(common + ["--kv-connector", args.kv_connector, "--kv-role", "producer"], gpu_p, log_dir, "prefill")
+        decode = child(common + ["--kv-connector", args.kv_connector, "--kv-role", "consumer"], gpu_d, log_dir, "decode")
         children += [prefill, decode]
         prefill.wait_healthy(300), decode.wait_healthy(300)
         proxy = child(["proxy", "--prefill", prefill.url, "--decode", decode.url], None, log_dir, "proxy")
@@ -126,7 +136,7 @@ def main() -> None:
     finally:
         for c in reversed(children):
             c.stop()
-    colocated = child(common, "0", log_dir, "colocated")
+    colocated = child(common, gpu_p, log_dir, "colocated")
     try:
         colocated.wait_healthy(300)
         co_results, co_duration = asyncio.run(run_workload(colocated.url, args.model, prompts, args.output_len, arrivals))
@@ -137,14 +147,17 @@ def main() -> None:
     first_divergence = [next((i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), None)
                         for a, b in zip(pd_results, co_results)]
     result = {
-        "date": datetime.date.today().isoformat(), "machine": "nvidia-h200-x2 (2x H200, NVLink)",
+        "date": datetime.date.today().isoformat(), "machine": f"{describe_gpus()}; P on GPU {gpu_p}, D on GPU {gpu_d}",
         "args": vars(args),
         "disaggregated_1p1d": summarize(pd_results, pd_duration, args.output_len),
         "colocated_1gpu": summarize(co_results, co_duration, args.output_len),
         "outputs_identical": identical, "num_requests": len(prompts),
         "first_divergence_positions": [d for d in first_divergence if d is not None],
+        # in arrival order: a one-time stall (a compile, a first mapping) shows as a run of slow TTFTs
+        "ttft_s_by_arrival": {"disaggregated_1p1d": [r["ttft"] and round(r["ttft"], 3) for r in pd_results],
+                              "colocated_1gpu": [r["ttft"] and round(r["ttft"], 3) for r in co_results]},
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "args"}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("args", "ttft_s_by_arrival")}, indent=1))
     out = Path(args.out or f"benchmarks/results/gpu-e2e-{result['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -17,7 +17,7 @@ under TRITON_INTERPRET=1, for tests) or "reference". Its default comes from $PDS
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,15 @@ class AttentionMetadata:
     query_lens_cpu: list[int]       # host copies so the reference path needs no device sync
     seq_lens_cpu: list[int]
     block_size: int
+    num_decodes: int = field(init=False)  # leading sequences with one query token (the runner puts them first)
+
+    def __post_init__(self) -> None:
+        n = 0
+        for query_len in self.query_lens_cpu:
+            if query_len != 1:
+                break
+            n += 1
+        self.num_decodes = n
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -99,7 +108,7 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetada
         # Host lists choose tile shapes only (1 = a decode-only batch): no device sync.
         return triton_attention.paged_attention_triton(
             q, kv_layer, md.query_start_loc, md.seq_lens, md.block_tables, md.block_size, scale,
-            max(md.query_lens_cpu, default=1))
+            max(md.query_lens_cpu, default=1), num_decodes=md.num_decodes)
     return paged_attention_reference(q, kv_layer, md, scale)
 
 

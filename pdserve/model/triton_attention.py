@@ -176,10 +176,10 @@ if HAS_TRITON:
     # the batch size and the block-table width change every step, and a new variant met while serving
     # costs a compile (about a second) inside one step. They are not specialized; the rest are fixed
     # per model.
-    @triton.jit(do_not_specialize=["num_seqs", "stride_table"])
+    @triton.jit(do_not_specialize=["num_seqs", "seq_base", "tile_base", "stride_table"])
     def _attn_kernel(q_ptr, kv_ptr, out_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
                      part_acc_ptr, part_ml_ptr,
-                     scale_log2, num_seqs, block_size, num_heads,
+                     scale_log2, num_seqs, seq_base, tile_base, block_size, num_heads,
                      stride_qt, stride_qh, stride_ot, stride_oh,
                      stride_blk, stride_kv, stride_slot, stride_head, stride_table,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -191,9 +191,11 @@ if HAS_TRITON:
         if IS_DECODE:  # one query token per sequence, one program per sequence
             seq = pid
             q_tile = 0
-        else:
-            seq = _find_seq(query_start_ptr, pid, num_seqs, BLOCK_Q)
-            q_tile = pid - (tl.load(query_start_ptr + seq) // BLOCK_Q + seq)
+        else:  # sequences [seq_base, seq_base + num_seqs); their query tiles from tile_base on
+            tile = pid + tile_base
+            local = _find_seq(query_start_ptr + seq_base, tile, num_seqs, BLOCK_Q)
+            q_tile = tile - (tl.load(query_start_ptr + seq_base + local) // BLOCK_Q + local)
+            seq = seq_base + local
         q_start = tl.load(query_start_ptr + seq)
         query_len = tl.load(query_start_ptr + seq + 1) - q_start
         if q_tile * BLOCK_Q >= query_len:  # this sequence has fewer tiles than its reserved range
@@ -324,64 +326,100 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int | None = No
 
 def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                           scale: float, max_query_len: int, num_splits: int | None = None) -> torch.Tensor:
+                           scale: float, max_query_len: int, num_splits: int | None = None,
+                           num_decodes: int = 0) -> torch.Tensor:
     """q: [T, heads, dim]; kv_layer: [blocks, 2, slots, kv_heads, dim]; query_start_loc: [S+1];
     seq_lens: [S]; block_tables: [S, width]. max_query_len is a host int (1 = decode-only batch).
-    Returns [T, heads, dim] in q's dtype."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = kv_layer.shape[3]
+    num_decodes: how many leading sequences of a mixed batch have one query token: those get the
+    decode kernel (one program per sequence and KV head) instead of the prefill tiles, whose query
+    rows they would fill to 1/BLOCK_Q (compute-bound on padding). Returns [T, heads, dim] in q's dtype."""
+    num_tokens = q.shape[0]
     num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
     q = _last_dim_contiguous(q)
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
     assert kv_layer.stride(-1) == 1 and block_tables.stride(-1) == 1
+    args = (q, kv_layer, out, query_start_loc, seq_lens, block_tables, block_size, scale)
+    if max_query_len == 1:
+        assert num_tokens == num_seqs
+        _launch_decode(*args, num_seqs, num_splits)
+    elif 0 < num_decodes < num_seqs:
+        _launch_decode(*args, num_decodes, None)
+        _launch_prefill(*args, num_decodes, max_query_len)
+    else:
+        _launch_prefill(*args, 0, max_query_len)
+    return out
+
+
+def _launch_decode(q, kv_layer, out, query_start_loc, seq_lens, block_tables, block_size, scale,
+                   num_decodes: int, num_splits: int | None) -> None:
+    """Sequences [0, num_decodes), one query token each (at rows 0 .. num_decodes - 1)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_layer.shape[3]
+    group = num_heads // num_kv_heads
     head_dim_pad = max(16, _next_pow2(head_dim))
     ieee = q.dtype == torch.float32
-    is_decode = max_query_len == 1
-    if is_decode:
-        assert num_tokens == num_seqs
-        cfg = DECODE_CONFIG
-        group_pad = max(16, _next_pow2(group))  # tl.dot needs 16 rows: pad the group
-        block_q = 1
-        grid0 = num_seqs
-        if num_splits is None:
-            num_splits = decode_num_splits(num_seqs, num_kv_heads, _num_sms(q.device))
-    else:
-        cfg = PREFILL_CONFIG
-        group_pad = _next_pow2(group)
-        block_q = max(1, min(cfg["BLOCK_M"] // group_pad, _next_pow2(max_query_len)))
-        if block_q * group_pad < 16:
-            block_q = 16 // group_pad
-        num_splits = 1
+    cfg = DECODE_CONFIG
     block_n, num_stages = cfg["BLOCK_N"], cfg["num_stages"]
     if ieee:  # fp32 (tests): keep the tiles small enough for registers and shared memory
         block_n, num_stages = min(block_n, 32), min(num_stages, 2)
-        while not is_decode and block_q * group_pad > 64:
-            block_q //= 2
-    if not is_decode:
-        grid0 = num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = decode_num_splits(num_decodes, num_kv_heads, _num_sms(q.device))
     if num_splits > 1:
-        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim_pad, dtype=torch.float32,
+        part_acc = torch.empty(num_decodes, num_heads, num_splits, head_dim_pad, dtype=torch.float32,
                                device=q.device)
-        part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_decodes, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    _attn_kernel[(grid0, num_kv_heads, num_splits)](
+    _attn_kernel[(num_decodes, num_kv_heads, num_splits)](
         q, kv_layer, out, block_tables, seq_lens, query_start_loc, part_acc, part_ml,
-        scale * 1.4426950408889634, num_seqs, block_size, num_heads,
+        scale * 1.4426950408889634, num_decodes, 0, 0, block_size, num_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),  # tl.dot needs 16 rows: pad the group
+        BLOCK_Q=1, BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+        IS_DECODE=True, IEEE=ieee, num_warps=cfg["num_warps"], num_stages=num_stages)
+    if num_splits > 1:
+        _reduce_kernel[(num_decodes, num_heads)](
+            part_acc, part_ml, out, num_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4)
+
+
+def _launch_prefill(q, kv_layer, out, query_start_loc, seq_lens, block_tables, block_size, scale,
+                    seq_base: int, max_query_len: int) -> None:
+    """Sequences [seq_base, S) of any query length; the ones before seq_base are decodes whose one
+    token each fills rows [0, seq_base)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_layer.shape[3]
+    num_seqs = seq_lens.shape[0] - seq_base
+    group = num_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    head_dim_pad = max(16, _next_pow2(head_dim))
+    ieee = q.dtype == torch.float32
+    cfg = PREFILL_CONFIG
+    block_q = max(1, min(cfg["BLOCK_M"] // group_pad, _next_pow2(max_query_len)))
+    if block_q * group_pad < 16:
+        block_q = 16 // group_pad
+    block_n, num_stages = cfg["BLOCK_N"], cfg["num_stages"]
+    if ieee:
+        block_n, num_stages = min(block_n, 32), min(num_stages, 2)
+        while block_q * group_pad > 64:
+            block_q //= 2
+    # Sequence i's tiles start at query_start_loc[i] // block_q + i (i counted from seq_base), and the
+    # first of them at tile_base: query_start_loc[seq_base] = seq_base, one token per decode before it.
+    tile_base = seq_base // block_q
+    grid0 = num_tokens // block_q + num_seqs - tile_base
+    _attn_kernel[(grid0, num_kv_heads, 1)](
+        q, kv_layer, out, block_tables, seq_lens, query_start_loc, out, out,
+        scale * 1.4426950408889634, num_seqs, seq_base, tile_base, block_size, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits, IS_DECODE=is_decode, IEEE=ieee,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=1, IS_DECODE=False, IEEE=ieee,
         num_warps=cfg["num_warps"], num_stages=num_stages)
-    if num_splits > 1:
-        _reduce_kernel[(num_tokens, num_heads)](
-            part_acc, part_ml, out, num_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4)
-    return out
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -70,8 +70,8 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int) -> None:
         """Run the shapes serving will meet before the first request does: a full-budget prefill, a
-        mixed prefill + decode step, and prefills of 2, 3, 5, 9, ... tokens (kernels pick tile shapes
-        by the next power of two of the longest query). On CUDA their first run compiles kernels
+        mixed prefill + decode step, prefills of 2, 3, 5, 9, ... tokens (kernels pick tile shapes
+        by the next power of two of the longest query) and, without CUDA graphs, decode batches. On CUDA their first run compiles kernels
         (Triton, torch.compile), which would otherwise land on some client's TTFT, seconds into
         serving. Writes only into blocks that no request holds yet (the cache is empty at start-up)."""
         if self.device.type != "cuda":
@@ -88,6 +88,10 @@ class ModelRunner:
         while length < num_tokens:
             steps.append([ScheduledRequest("warm-short", [0] * length, 0, blocks, greedy, True)])
             length = 2 * length - 1  # 2, 3, 5, 9, 17, ...: one length per power-of-two bucket
+        if self.decode_graphs is None:  # else capture ran every decode split count already
+            for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):  # decode kernels choose splits by batch size
+                steps.append([ScheduledRequest(f"warm-decode-{i}", [0], num_tokens - 1, blocks, greedy, True)
+                              for i in range(n)])
         for scheduled in steps:
             self._run(SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled)))
         torch.cuda.synchronize(self.device)
@@ -117,11 +121,13 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logits_rows: list[int] = []
-        max_blocks = max(len(item.block_ids) for item in out.scheduled)
+        # One-token rows (decodes) first: the attention kernel gives them their own launch.
+        scheduled = sorted(out.scheduled, key=lambda item: len(item.token_ids) != 1)
+        max_blocks = max(len(item.block_ids) for item in scheduled)
         # Filled row by row through a numpy view (a nested-list torch.tensor costs ~10 us per sequence).
-        block_tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int32, pin_memory=self.pin_memory)
+        block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32, pin_memory=self.pin_memory)
         table_rows = block_tables.numpy()  # [num_seqs, max_blocks], padded with 0
-        for row, item in enumerate(out.scheduled):
+        for row, item in enumerate(scheduled):
             start, n = item.num_computed_tokens, len(item.token_ids)
             input_ids.extend(item.token_ids)
             span = range(start, start + n)
@@ -134,13 +140,13 @@ class ModelRunner:
             if item.do_sample:
                 logits_rows.append(query_start_loc[-1] - 1)
 
-        sample_items = [item for item in out.scheduled if item.do_sample]
+        sample_items = [item for item in scheduled if item.do_sample]
         graphs = self.decode_graphs
-        if (graphs is not None and len(input_ids) == len(out.scheduled)
+        if (graphs is not None and len(input_ids) == len(scheduled)
                 and graphs.can_run(len(input_ids), max_blocks)):
             # Pure decode: replay the bucket's graph (logits of every row; decodes all sample).
             logits = graphs.run(input_ids, positions, slot_mapping, seq_lens, block_tables)
-            if len(sample_items) != len(out.scheduled):
+            if len(sample_items) != len(scheduled):
                 logits = logits[self._to_device(logits_rows, torch.long)]
         else:
             md = AttentionMetadata(

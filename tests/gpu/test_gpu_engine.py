@@ -117,3 +117,24 @@ def test_triton_and_reference_paths_give_the_same_fp32_logits(tiny_paths):
         finally:
             attention.BACKEND = "auto"
     torch.testing.assert_close(out["triton"], out["reference"], atol=2e-4, rtol=2e-4)
+
+
+def _compiled_variants() -> dict[str, int]:
+    """How many variants of each Triton kernel this process has compiled (JITFunction.device_caches:
+    device -> (kernel_cache, ...))."""
+    from pdserve.model import triton_attention as ta
+    kernels = {"attn": ta._attn_kernel, "reduce": ta._reduce_kernel, "rope_write_kv": ta._rope_write_kv_kernel}
+    return {name: sum(len(entry[0]) for entry in k.device_caches.values()) for name, k in kernels.items()}
+
+
+def test_serving_new_batch_shapes_after_start_up_compiles_nothing(tiny_paths):
+    """A compile met while serving stalls one step for about a second (seen as a 2 s TTFT stall in
+    the first P/D run). Start-up warms every tile shape; batch size and block-table width are not
+    specialized on."""
+    llm = LLM(tiny_paths["llama"], device="cuda", dtype="bfloat16", block_size=16, num_blocks=512)
+    before = _compiled_variants()
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for lengths in ([1], [5, 16], [17, 33, 100], [3] * 16, [2, 7, 31, 64, 129, 200] * 3, [250]):
+        llm.generate(prompts_of(lengths, seed=len(lengths)), greedy)  # 1..18 sequences, 1..14 blocks wide
+    assert _compiled_variants() == before
+    llm.shutdown()

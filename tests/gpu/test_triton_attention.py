@@ -54,7 +54,7 @@ def run_both(query_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=64, blo
     ref = paged_attention_reference(q.float(), kv_layer.float(), md, scale)
     out = triton_attention.paged_attention_triton(q, kv_layer, md.query_start_loc, md.seq_lens,
                                                   md.block_tables, block_size, scale, max(query_lens),
-                                                  num_splits=num_splits)
+                                                  num_splits=num_splits, num_decodes=md.num_decodes)
     return out, ref
 
 
@@ -72,6 +72,9 @@ MIXED = [
     ([9, 4, 2], [9, 4, 2]),                           # prefill only
     ([130, 1, 77], [300, 64, 77]),                    # long chunk over a long prefix, several q tiles
     ([33, 1, 1, 17], [33, 129, 257, 50]),
+    # decodes first, as the runner orders a batch: their own launch, the prefill tiles start after them
+    ([1, 1, 1, 5, 17, 1], [40, 3, 100, 20, 17, 9]),
+    ([1] * 5 + [130, 2], [16, 17, 1, 64, 300, 130, 40]),
 ]
 
 
