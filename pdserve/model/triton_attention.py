@@ -78,16 +78,18 @@ if HAS_TRITON:
         tl.store(dst + stride_kv, v, mask=mask)
 
     @triton.jit
-    def _rotate_half(x1, x2, c, s, ROUND: tl.constexpr, dtype: tl.constexpr):
-        """(x1 c - x2 s, x2 c + x1 s). ROUND: round every product and sum to the activation dtype, as
-        the reference's elementwise ops do in bf16/fp16, so both paths give the same bits."""
+    def _rotate_half(x1, x2, c, s, ROUND: tl.constexpr):
+        """(x1 c - x2 s, x2 c + x1 s) in x1's dtype; c, s float32. ROUND: round every product and sum
+        to that dtype, as the reference's elementwise ops do in bf16/fp16, so both give the same bits."""
+        dtype = x1.dtype
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
         if ROUND:
-            a = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
-            b = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+            r1 = (a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)
+            r2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
         else:
-            a = x1 * c - x2 * s
-            b = x2 * c + x1 * s
-        return a.to(dtype), b.to(dtype)
+            r1 = a1 * c - a2 * s
+            r2 = a2 * c + a1 * s
+        return r1.to(dtype), r2.to(dtype)
 
     @triton.jit
     def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr,
@@ -97,33 +99,31 @@ if HAS_TRITON:
                               KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                               ROUND: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
-        dtype = q_ptr.dtype.element_ty
         j = tl.arange(0, HALF_PAD)[None, :]                      # [1, HALF] within each half
-        c = tl.load(cos_ptr + token * stride_cs + j, mask=j < HALF).to(dtype).to(tl.float32)
-        s = tl.load(sin_ptr + token * stride_cs + j, mask=j < HALF).to(dtype).to(tl.float32)
+        c = tl.load(cos_ptr + token * stride_cs + j, mask=j < HALF)
+        s = tl.load(sin_ptr + token * stride_cs + j, mask=j < HALF)
+        c = c.to(q_ptr.dtype.element_ty).to(tl.float32)          # the reference casts cos/sin first
+        s = s.to(q_ptr.dtype.element_ty).to(tl.float32)
 
-        h = tl.arange(0, HEADS_PAD)[:, None]                      # q: rotated in place
-        mask = (h < NUM_HEADS) & (j < HALF)
-        q = q_ptr + token * stride_qt + h * stride_qh + j
-        q1 = tl.load(q, mask=mask).to(tl.float32)
-        q2 = tl.load(q + HALF, mask=mask).to(tl.float32)
-        q1, q2 = _rotate_half(q1, q2, c, s, ROUND, dtype)
-        tl.store(q, q1, mask=mask)
-        tl.store(q + HALF, q2, mask=mask)
+        hq = tl.arange(0, HEADS_PAD)[:, None]                     # q: rotated in place
+        q_mask = (hq < NUM_HEADS) & (j < HALF)
+        q = q_ptr + token * stride_qt + hq * stride_qh + j
+        q1, q2 = _rotate_half(tl.load(q, mask=q_mask), tl.load(q + HALF, mask=q_mask), c, s, ROUND)
+        tl.store(q, q1, mask=q_mask)
+        tl.store(q + HALF, q2, mask=q_mask)
 
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:                                             # a padded graph row writes nothing
-            h = tl.arange(0, KV_HEADS_PAD)[:, None]
-            mask = (h < NUM_KV_HEADS) & (j < HALF)
-            k = k_ptr + token * stride_kt + h * stride_kh + j
-            k1, k2 = _rotate_half(tl.load(k, mask=mask).to(tl.float32),
-                                  tl.load(k + HALF, mask=mask).to(tl.float32), c, s, ROUND, dtype)
-            dst = kv_ptr + (slot // block_size) * stride_blk + (slot % block_size) * stride_slot + h * stride_head + j
-            tl.store(dst, k1, mask=mask)
-            tl.store(dst + HALF, k2, mask=mask)
-            v = v_ptr + token * stride_vt + h * stride_vh + j
-            tl.store(dst + stride_kv, tl.load(v, mask=mask), mask=mask)
-            tl.store(dst + stride_kv + HALF, tl.load(v + HALF, mask=mask), mask=mask)
+            hk = tl.arange(0, KV_HEADS_PAD)[:, None]
+            kv_mask = (hk < NUM_KV_HEADS) & (j < HALF)
+            k = k_ptr + token * stride_kt + hk * stride_kh + j
+            k1, k2 = _rotate_half(tl.load(k, mask=kv_mask), tl.load(k + HALF, mask=kv_mask), c, s, ROUND)
+            dst = kv_ptr + (slot // block_size) * stride_blk + (slot % block_size) * stride_slot + hk * stride_head + j
+            tl.store(dst, k1, mask=kv_mask)
+            tl.store(dst + HALF, k2, mask=kv_mask)
+            v = v_ptr + token * stride_vt + hk * stride_vh + j
+            tl.store(dst + stride_kv, tl.load(v, mask=kv_mask), mask=kv_mask)
+            tl.store(dst + stride_kv + HALF, tl.load(v + HALF, mask=kv_mask), mask=kv_mask)
 
     @triton.jit
     def _find_seq(query_start_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
