@@ -61,7 +61,9 @@ def _fused_on_cuda(fn):
         if not (FUSE_SMALL_OPS and x.is_cuda):
             return fn(x, *args)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
+            # emulate_precision_casts: keep every bf16/fp16 rounding the eager ops make (Inductor
+            # would otherwise carry fp32 through a fused chain), so the fast path rounds as HF does.
+            compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
         return compiled(x, *args)
     return run
 

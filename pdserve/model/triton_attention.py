@@ -310,7 +310,8 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), block_size,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=_next_pow2(num_heads),
         KV_HEADS_PAD=_next_pow2(num_kv_heads), HALF=head_dim // 2, HALF_PAD=_next_pow2(head_dim // 2),
-        ROUND=q.dtype != torch.float32, num_warps=4 if num_heads * head_dim >= 2048 else 1)
+        ROUND=q.dtype != torch.float32, num_warps=4 if num_heads * head_dim >= 2048 else 1,
+        enable_fp_fusion=False)  # a fused multiply-add would skip a rounding the reference makes
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int | None = None) -> int:
