@@ -535,6 +535,8 @@ def main() -> None:
                 result = bench_decode(runner, args.quick)
                 write_json(args.out_dir, f"gpu-decode-{date}.json", result)
                 summary["decode_step_over_roofline"] = {str(r["batch"]): r["step_over_roofline"] for r in result["rows"]}
+                summary["decode_step_ms"] = {str(r["batch"]): r["step_ms"] for r in result["rows"]}
+                summary["decode_roofline_ms"] = {str(r["batch"]): r["roofline_ms"] for r in result["rows"]}
                 summary["decode_graph_replay_over_roofline"] = {str(r["batch"]): r.get("graph_replay_over_roofline")
                                                                 for r in result["rows"]}
             stage("decode", decode)

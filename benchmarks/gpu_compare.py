@@ -12,7 +12,8 @@ With 4 GPUs visible the two workloads run side by side (GPUs 0,1 and 2,3: separa
 ports; they share the host's CPUs, which the engines barely use); with 2 they run one after the other.
 Every workload's compare is stopped (SIGTERM: it still writes the summary of what ran) after
 --time-limit seconds. Outputs: <out>/<workload>.tar.gz (the compare directory: per-configuration
-sweep JSON with every request, summary.json/md, logs) and <out>/<workload>-summary.md.
+sweep JSON with every request but without per-token latencies, summary.json/md, logs) and
+<out>/<workload>-summary.md. Plots: benchmarks/compare_results.py DIR DIR where matplotlib is.
 
   PYTHONPATH=$PWD python3 benchmarks/gpu_compare.py --out-dir $OUT
 """
@@ -108,6 +109,9 @@ def main() -> int:
                 free.append(slot)
                 directory = work / workload
                 if directory.exists():
+                    # per-token latencies make a sweep JSON ~17 MB: over what a device call returns
+                    subprocess.run([sys.executable, str(Path(__file__).with_name("compare_results.py")),
+                                    str(directory), str(directory)], check=False)
                     with tarfile.open(out / f"{workload}.tar.gz", "w:gz") as tar:
                         tar.add(directory, arcname=workload)
                     summary = directory / "summary.md"
