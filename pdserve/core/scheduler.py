@@ -100,7 +100,7 @@ class Scheduler:
 
     @property
     def num_blocks_held_for_transfer(self) -> int:
-        return sum(len(self.kv.get_block_ids(r)) for r in self.held_for_transfer)
+        return sum(self.kv.num_blocks_of(r) for r in self.held_for_transfer)
 
     def has_unfinished(self) -> bool:
         # Pending updates and finished ids too: an abort's final output and the runner's cleanup

@@ -13,9 +13,21 @@ from pdserve.sampling_params import SamplingParams
 _CONTEXT_TOKENS = 5
 
 
+def fast_decoder(tokenizer):
+    """decode(ids) -> text without special tokens. The Rust tokenizer directly when transformers'
+    wrapper would add nothing to it (no clean-up of spaces): the wrapper costs several times the
+    decode itself, twice per token of every running request."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 decode=None) -> None:
         self.tokenizer = tokenizer
+        self._decode = decode or (fast_decoder(tokenizer) if tokenizer is not None else None)
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -25,9 +37,7 @@ class IncrementalDetokenizer:
         self.text = ""       # all output text so far
         self.emitted = 0     # characters of self.text already handed out
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        self._prefix_text: str | None = None  # decode of tokens[prefix_offset:read_offset]
 
     def update(self, new_token_ids: list[int]) -> bool:
         """Add tokens; True when a stop string was found (the request must stop)."""
@@ -36,11 +46,14 @@ class IncrementalDetokenizer:
         before = len(self.text)
         for token_id in new_token_ids:
             self.tokens.append(token_id)
-            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+            if self._prefix_text is None:  # the window moved (or the first token)
+                self._prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+            prefix = self._prefix_text
             full = self._decode(self.tokens[self.prefix_offset:])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 self.text += full[len(prefix):]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+                self._prefix_text = None
         if self.stop and len(self.text) > before:
             search_from = max(0, before - self.hold)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]

@@ -15,7 +15,7 @@ from pdserve.config import EngineConfig
 from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.request import Request, RequestStatus
 from pdserve.core.scheduler import RequestUpdate, Scheduler
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pdserve.kv_transfer.base import KVTransferParams
 from pdserve.kv_transfer.factory import create_connector
 from pdserve.model.loader import load_tokenizer, resolve_model_path
@@ -47,6 +47,7 @@ class EngineCore:
         mc = config.model
         mc.model = resolve_model_path(mc.model)
         self.tokenizer = load_tokenizer(mc.model)
+        self._decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         device, dtype = resolve_device_and_dtype(mc)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -93,7 +94,8 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                           self.max_model_len, kv_transfer_params)
         self.scheduler.add_request(request)
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params,
+                                                                 self._decode)
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

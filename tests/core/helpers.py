@@ -63,6 +63,7 @@ def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int =
 def assert_no_leaks(scheduler: Scheduler) -> None:
     assert not scheduler.requests and not scheduler.waiting and not scheduler.running
     assert not scheduler.held_for_transfer and not scheduler.aborted_while_loading
-    assert not scheduler.kv.req_to_blocks
+    assert not scheduler.kv.req_to_blocks and not scheduler.kv.req_to_block_ids
+    assert not scheduler.kv.num_cached_blocks
     assert scheduler.kv.num_free_blocks == scheduler.kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in scheduler.kv.pool.blocks)

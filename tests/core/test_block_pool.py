@@ -36,7 +36,7 @@ def test_allocate_returns_none_and_changes_nothing():
     kv = KVCacheManager(num_blocks=3, block_size=4)
     r = Request("r", list(range(20)), SamplingParams())
     assert kv.allocate_slots(r, 20) is None
-    assert kv.num_free_blocks == 3 and not kv.req_to_blocks
+    assert kv.num_free_blocks == 3 and not kv.req_to_blocks and not kv.req_to_block_ids
     assert kv.allocate_slots(r, 12) == [0, 1, 2]
     kv.free(r)
     assert kv.num_free_blocks == 3
@@ -69,3 +69,34 @@ def test_evict_blocks_forgets_content():
     kv.free(r)
     blocks, n = kv.get_computed_blocks(Request("s", [1, 2, 3, 4, 5], SamplingParams()))
     assert n == 0
+
+
+def test_indexing_a_step_costs_the_new_blocks_not_all_of_them():
+    """cache_blocks ran over every full block of a request on every step: O(context) per decode."""
+    kv = KVCacheManager(num_blocks=80, block_size=4)
+    calls = []
+    cache_block = kv.pool.cache_block
+    kv.pool.cache_block = lambda block, block_hash: calls.append(block.block_id) or cache_block(block, block_hash)
+    r = Request("r", list(range(256)), SamplingParams())
+    kv.allocate_slots(r, 256)
+    r.num_computed_tokens = 256
+    kv.cache_blocks(r, 256)
+    assert len(calls) == 64
+    for token in range(7):  # decodes: one new full block after the 4th token
+        r.append_output_token_id(1000 + token)
+        kv.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+        kv.cache_blocks(r, r.num_computed_tokens)
+    assert len(calls) == 65 and calls[-1] == kv.get_block_ids("r")[64]
+    ids = kv.get_block_ids("r")
+    ids.append(-1)  # a copy: the caller may keep or change it
+    assert kv.get_block_ids("r")[-1] != -1
+
+    # A failed load uncaches blocks: indexing starts over so rewritten blocks are indexed again.
+    first = kv.req_to_blocks["r"][0]
+    kv.evict_blocks({first.block_id})
+    assert first.block_hash is None
+    kv.cache_blocks(r, r.num_computed_tokens)
+    assert first.block_hash is not None
+    kv.free(r)
+    assert not kv.req_to_blocks and not kv.req_to_block_ids and not kv.num_cached_blocks
