@@ -67,7 +67,7 @@ def main() -> int:
     p.add_argument("--workloads", default="prefill-heavy,decode-heavy")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--time-limit", type=float, default=480.0, help="seconds per workload before SIGTERM")
-    p.add_argument("--chunked-budget", type=int, default=2048)
+    p.add_argument("--chunked-budget", default="2048", help="one budget, or several (B,B,...): one run each")
     p.add_argument("--kv-connector", default="cuda_ipc", choices=("cuda_ipc", "nixl"))
     p.add_argument("--num-prompts", default=None, help="override the workload's prompts per rate")
     p.add_argument("--request-rates", default=None, help="override the workload's rates")

@@ -109,7 +109,7 @@ class CompareConfig:
     configs: tuple[str, ...] = CONFIG_NAMES
     num_devices: int = 2
     prefill_share: str = "0.5"   # a fraction of the devices (rounded, at least 1 each side) or "P:D"
-    chunked_budget: int = 512    # colocated-chunked: --max-num-batched-tokens
+    chunked_budgets: tuple[int, ...] = (512,)  # colocated-chunked: --max-num-batched-tokens; several: one run each
     max_num_batched_tokens: int | None = None  # colocated and disaggregated; None: the instance default
     prefix_caching: bool = False  # off: a sweep repeats its prompts at every rate, which would hit the cache
     serve_args: tuple[str, ...] = ()  # model flags for every instance (--model, --dtype, --seed, ...)
@@ -132,8 +132,8 @@ class CompareConfig:
             raise ValueError(f"num_devices: must be >= 1, got {self.num_devices}")
         if "disaggregated" in self.configs:
             self.num_prefill()
-        if self.chunked_budget < 1:
-            raise ValueError(f"chunked_budget: must be >= 1, got {self.chunked_budget}")
+        if not self.chunked_budgets or min(self.chunked_budgets) < 1:
+            raise ValueError(f"chunked_budgets: one or more budgets >= 1, got {self.chunked_budgets}")
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector: expected one of {', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -193,8 +193,35 @@ def split_devices(cc: CompareConfig) -> list[Device]:
     return [Device(cores=tuple(c)) for c in split_cores(n, cores)]
 
 
-def plan_deployment(config: str, cc: CompareConfig, devices: Sequence[Device]) -> Deployment:
-    """Every command line and port of one configuration; instance i runs on devices[i]."""
+def planned_runs(cc: CompareConfig) -> list[tuple[str, str, int | None]]:
+    """(run name, configuration, chunk budget) in order: with several --chunked-budget values the
+    chunked configuration runs once per budget, as colocated-chunked-<budget>."""
+    runs: list[tuple[str, str, int | None]] = []
+    for config in cc.configs:
+        if config != "colocated-chunked":
+            runs.append((config, config, None))
+        elif len(cc.chunked_budgets) == 1:
+            runs.append((config, config, cc.chunked_budgets[0]))
+        else:
+            runs += [(f"{config}-{budget}", config, budget) for budget in cc.chunked_budgets]
+    return runs
+
+
+def tuned_chunked(configs: Sequence[Mapping[str, Any]]) -> str | None:
+    """The best of several chunked runs (the tuned chunked-prefill baseline the seed asks for): the
+    highest max rate meeting the SLO, then the most goodput there. None with fewer than two."""
+    runs = [c for c in configs if c["config"].startswith("colocated-chunked-") and c["status"] == "ok"]
+    if len(runs) < 2:
+        return None
+    best = max(runs, key=lambda c: (-1.0 if c["max_rate_meeting_slo"] is None else parse_rate(c["max_rate_meeting_slo"]),
+                                    c["goodput_per_device_at_max"] or 0.0))
+    return best["config"]
+
+
+def plan_deployment(config: str, cc: CompareConfig, devices: Sequence[Device], *, name: str | None = None,
+                    chunked_budget: int | None = None) -> Deployment:
+    """Every command line and port of one configuration; instance i runs on devices[i]. name: the
+    run's name (default: config); chunked_budget: colocated-chunked's budget (default: the first)."""
     common = [*cc.serve_args, "--device", cc.device]
     if not cc.prefix_caching:
         common.append("--no-prefix-caching")
@@ -215,7 +242,7 @@ def plan_deployment(config: str, cc: CompareConfig, devices: Sequence[Device]) -
         if config == "colocated":
             args += ["--no-chunked-prefill", *budget]
         elif config == "colocated-chunked":
-            args += ["--max-num-batched-tokens", str(cc.chunked_budget)]
+            args += ["--max-num-batched-tokens", str(chunked_budget or cc.chunked_budgets[0])]
         else:
             args += ["--kv-connector", cc.kv_connector, "--kv-role", "producer" if role == "prefill" else "consumer",
                      "--engine-id", f"{role}-{i}", *budget]
@@ -230,7 +257,7 @@ def plan_deployment(config: str, cc: CompareConfig, devices: Sequence[Device]) -
         proxy_args += ["--prefill", *urls["prefill"], "--decode", *urls["decode"]]
     else:
         proxy_args += ["--colocated", *urls["colocated"]]
-    return Deployment(config, layout, cc.host, tuple(instances), cc.base_port, tuple(proxy_args))
+    return Deployment(name or config, layout, cc.host, tuple(instances), cc.base_port, tuple(proxy_args))
 
 
 # ---- run one configuration ------------------------------------------------------------------------
@@ -357,7 +384,9 @@ def format_summary_md(summary: Mapping[str, Any]) -> str:
         f"{' | '.join(summary['devices'])}) for every configuration",
         f"- workload: {work['num_prompts']} prompts, {work['dataset']}, {work['endpoint']}, "
         f"input {work['input_len']}, output {work['output_len']}, seed {work['seed']}; rates {rates} req/s",
-        f"- SLO: {slo}; target attainment {target:.0%}", "",
+        f"- SLO: {slo}; target attainment {target:.0%}",
+        *([f"- tuned chunked-prefill baseline: {summary['tuned_chunked']} (of the chunked budgets run, the "
+           "highest max rate, then the most goodput there)"] if summary.get("tuned_chunked") else []), "",
         f"| config | deployment | max rate ≥ {target:.0%} (req/s) | per device | goodput/device there | status |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -414,8 +443,8 @@ def run_compare(cc: CompareConfig, bench: BenchConfig, rates: list[float], *, ou
         "configs": []}
     sweeps: list[tuple[str, dict[str, Any]]] = []
     try:
-        for name in cc.configs:
-            deployment = plan_deployment(name, cc, devices)
+        for name, config, budget in planned_runs(cc):
+            deployment = plan_deployment(config, cc, devices, name=name, chunked_budget=budget)
             print(f"[compare] {name}: {deployment.layout} on {', '.join(summary['devices'])}", file=sys.stderr,
                   flush=True)
             try:
@@ -436,6 +465,7 @@ def run_compare(cc: CompareConfig, bench: BenchConfig, rates: list[float], *, ou
             summary["configs"].append(summarize(name, sweep, cc.num_devices, target_attainment=target_attainment,
                                                 deployment=deployment))
     finally:
+        summary["tuned_chunked"] = tuned_chunked(summary["configs"])
         _write_json(str(out / "summary.json"), summary)
         (out / "summary.md").write_text(format_summary_md(summary), encoding="utf-8")
         if plot and sweeps:
@@ -453,6 +483,7 @@ core sets, on CUDA one GPU each; a proxy in front on --base-port), warmed up, sw
 workload at every --request-rates (same prompts and seed), and stopped:
   colocated          N x `pdserve serve --no-chunked-prefill` behind `pdserve proxy --colocated`
   colocated-chunked  N x `pdserve serve --max-num-batched-tokens <--chunked-budget>` behind the same
+                     (several budgets: one run each; the summary names the best)
   disaggregated      P prefill + (N-P) decode instances (--kv-connector, nixl) behind the P/D proxy
 Per configuration the summary gives the highest rate whose SLO attainment (and every lower rate's)
 reaches --target-attainment, that rate per device, and at each rate TTFT p90, TPOT p90 and attainment.
@@ -465,6 +496,16 @@ logs/<config>/<instance>.log. A configuration that cannot start is reported, not
 example: pdserve bench compare --num-devices 2 --num-prompts 100 --input-len 512 --output-len 64 \\
              --request-rates 1,2,4,inf --slo-ttft-ms 2000 --slo-tpot-ms 200 --out-dir cmp
 """
+
+
+def _budget_list(text: str) -> tuple[int, ...]:
+    try:
+        budgets = tuple(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
+    except ValueError:
+        budgets = ()
+    if not budgets or min(budgets) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts separated by commas, got {text!r}")
+    return budgets
 
 
 def _config_list(text: str) -> tuple[str, ...]:
@@ -484,8 +525,9 @@ def add_compare_parser(bench_sub: argparse._SubParsersAction) -> None:
     g.add_argument("--num-devices", type=_positive_int, default=2, help="devices (core sets or GPUs) per configuration")
     g.add_argument("--prefill-share", default="0.5",
                    help="disaggregated: share of the devices for prefill (rounded, >= 1 each side) or P:D, e.g. 1:3")
-    g.add_argument("--chunked-budget", type=_positive_int, default=512,
-                   help="colocated-chunked: --max-num-batched-tokens (the chunk size)")
+    g.add_argument("--chunked-budget", type=_budget_list, default=(512,), metavar="B[,B...]",
+                   help="colocated-chunked: --max-num-batched-tokens (the chunk size); several: one run each "
+                        "(colocated-chunked-<B>), and the summary names the best as the tuned baseline")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="token budget of colocated and disaggregated instances (default: the instance's, 2048); "
                         "without chunked prefill it also caps the prompt length")
@@ -523,7 +565,7 @@ def compare_config_from_args(args: argparse.Namespace) -> CompareConfig:
         if value is not None:
             serve_args += [flag, str(value)]
     cc = CompareConfig(configs=args.configs, num_devices=args.num_devices, prefill_share=args.prefill_share,
-                       chunked_budget=args.chunked_budget, max_num_batched_tokens=args.max_num_batched_tokens,
+                       chunked_budgets=args.chunked_budget, max_num_batched_tokens=args.max_num_batched_tokens,
                        prefix_caching=args.prefix_caching, serve_args=tuple(serve_args),
                        kv_connector=args.kv_connector, kv_transfer_config=args.kv_transfer_config, device=args.device, host=args.host,
                        base_port=args.base_port, start_timeout_s=args.start_timeout, num_warmup=args.num_warmup)

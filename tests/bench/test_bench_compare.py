@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -92,7 +93,7 @@ def test_each_config_gets_its_flags_roles_and_the_same_core_split():
 
 
 def test_budget_prefix_caching_and_kv_transfer_config_reach_the_right_instances():
-    cc = cpu_config(max_num_batched_tokens=4096, chunked_budget=256, prefix_caching=True,
+    cc = cpu_config(max_num_batched_tokens=4096, chunked_budgets=(256,), prefix_caching=True,
                     kv_connector="cuda_ipc", kv_transfer_config='{"lease_seconds": 5}')
     devices = split_devices(cc)
     budgets = {name: [flag(i.args, "--max-num-batched-tokens") for i in plan_deployment(name, cc, devices).instances]
@@ -102,6 +103,31 @@ def test_budget_prefix_caching_and_kv_transfer_config_reach_the_right_instances(
     assert all(flag(i.args, "--kv-transfer-config") == '{"lease_seconds": 5}' for i in disagg.instances)
     assert all(flag(i.args, "--kv-connector") == "cuda_ipc" for i in disagg.instances)
     assert not any("--no-prefix-caching" in i.args for i in disagg.instances)
+
+
+def test_several_chunk_budgets_run_once_each_and_the_best_is_the_tuned_baseline():
+    cc = cpu_config(configs=("colocated", "colocated-chunked"), chunked_budgets=(256, 1024))
+    runs = compare.planned_runs(cc)
+    assert runs == [("colocated", "colocated", None), ("colocated-chunked-256", "colocated-chunked", 256),
+                    ("colocated-chunked-1024", "colocated-chunked", 1024)]
+    devices = split_devices(cc)
+    plans = [plan_deployment(config, cc, devices, name=name, chunked_budget=b) for name, config, b in runs]
+    assert [p.config for p in plans] == [r[0] for r in runs]
+    assert [flag(plans[i].instances[0].args, "--max-num-batched-tokens") for i in (1, 2)] == ["256", "1024"]
+    assert compare.planned_runs(cpu_config(chunked_budgets=(512,)))[1] == ("colocated-chunked", "colocated-chunked", 512)
+
+    def entry(name, rates):  # rates: attainment per swept rate 1, 2, 4
+        return summarize(name, {"results": [sweep_entry(r, a, goodput=g) for r, (a, g) in zip((1.0, 2.0, 4.0), rates)]}, 2)
+    configs = [entry("colocated", [(1, 1)] * 3),
+               entry("colocated-chunked-256", [(1, 1.0), (0.95, 1.5), (0.5, 1.0)]),
+               entry("colocated-chunked-1024", [(1, 1.0), (0.95, 1.9), (0.2, 0.5)]),   # same rate, more goodput
+               entry("colocated-chunked-2048", [(0.5, 0.5), (1, 2.0), (1, 3.0)])]      # misses at the lowest rate
+    assert compare.tuned_chunked(configs) == "colocated-chunked-1024"
+    assert compare.tuned_chunked(configs[:2]) is None  # one budget: nothing was tuned
+    args = parse(["bench", "compare", "--chunked-budget", "1024,256,1024"])
+    assert compare_config_from_args(args).chunked_budgets == (1024, 256)
+    with pytest.raises(SystemExit):
+        parse(["bench", "compare", "--chunked-budget", "512,0"])
 
 
 @pytest.mark.parametrize("num_devices,share,num_prefill", [(2, "0.5", 1), (4, "0.5", 2), (4, "0.25", 1),
@@ -115,7 +141,8 @@ def test_prefill_share_splits_the_devices(num_devices, share, num_prefill):
     (dict(num_devices=1), "num_devices"), (dict(num_devices=4, prefill_share="2:3"), "prefill_share"),
     (dict(prefill_share="1.5"), "prefill_share"), (dict(prefill_share="1P1D"), "prefill_share"),
     (dict(configs=("colocated", "pd")), "configs"),
-    (dict(chunked_budget=0), "chunked_budget"), (dict(kv_connector="loopback"), "kv_connector")])
+    (dict(chunked_budgets=(0,)), "chunked_budgets"), (dict(chunked_budgets=()), "chunked_budgets"),
+    (dict(kv_connector="loopback"), "kv_connector")])
 def test_bad_compare_configs_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         CompareConfig(**overrides).validate()
@@ -251,6 +278,18 @@ def test_cli_runs_every_config_against_fake_instances_and_stops_them(fake_log, t
     assert sorted(flag(a, "--kv-role") for a in commands if "--kv-role" in a) == ["consumer", "producer"]
     assert sorted(flag(a, "--cpu-cores") for a in commands if a[0] == "serve") == ["0,1"] * 3 + ["2,3"] * 3
     assert not any(is_running(r["pid"]) for r in records)
+
+
+def test_several_chunk_budgets_against_fake_instances(fake_log, tmp_path):
+    cc = cpu_config(configs=("colocated-chunked",), chunked_budgets=(256, 512), base_port=free_base_port(3),
+                    launcher=FAKE_LAUNCHER, num_warmup=0)
+    bench = BenchConfig(num_prompts=2, input_len=8, output_len=2)
+    summary = run_compare(cc, bench, [math.inf], out_dir=tmp_path / "cmp", plot=False)
+    assert [c["config"] for c in summary["configs"]] == ["colocated-chunked-256", "colocated-chunked-512"]
+    assert summary["tuned_chunked"] in ("colocated-chunked-256", "colocated-chunked-512")
+    assert "tuned chunked-prefill baseline: colocated-chunked-" in (tmp_path / "cmp" / "summary.md").read_text()
+    budgets = sorted(flag(r["argv"], "--max-num-batched-tokens") for r in fake_log() if r["argv"][0] == "serve")
+    assert budgets == ["256", "256", "512", "512"]
 
 
 def test_a_config_that_does_not_start_is_reported_and_the_next_one_runs(fake_log, tmp_path, monkeypatch):
