@@ -121,3 +121,4 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        self.num_cached_blocks.clear()  # running requests index their blocks again

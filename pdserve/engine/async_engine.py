@@ -1,6 +1,6 @@
 """The engine core in its own process, and the asyncio front that the HTTP server talks to.
 
-The server process never runs model compute: it sends ("add" | "abort" | "shutdown") messages
+The server process never runs model compute: it sends ("add" | "abort" | "release_kv" | "shutdown") messages
 down a pipe and receives per-step RequestOutput batches and stats snapshots back. A sender thread
 and a receiver thread keep pipe I/O off the event loop, so a long engine step never stalls HTTP.
 
@@ -65,6 +65,8 @@ def run_engine_process(config: EngineConfig, in_conn, out_conn) -> None:
                         out_conn.send(("outputs", [_error_output(request_id, str(e), len(prompt_token_ids))]))
                 elif msg[0] == "abort":
                     core.abort(msg[1])
+                elif msg[0] == "release_kv":
+                    core.release_kv(msg[1])
                 elif msg[0] == "shutdown":
                     return
             if core.has_work():
@@ -190,6 +192,12 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._outbox.put(("abort", [request_id]))
+
+    def release_kv(self, kv_transfer_params: dict) -> None:
+        """P: free the blocks held for a request no D will read (see EngineCore.release_kv).
+        ValueError for malformed params (checked here: an exception in the engine loop ends it)."""
+        KVTransferParams.from_dict(kv_transfer_params)
+        self._outbox.put(("release_kv", kv_transfer_params))
 
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)

@@ -100,6 +100,17 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 
+    def release_kv(self, kv_transfer_params: dict) -> bool:
+        """P: the proxy's decode hop failed before D took the request, so no D will read the blocks
+        P holds for it: free them now rather than at lease expiry. False when the params name another
+        engine (or this one produces nothing)."""
+        params = KVTransferParams.from_dict(kv_transfer_params)
+        if (self.connector_worker is None or params is None or params.remote_request_id is None
+                or params.remote_engine_id != self.engine_id):
+            return False
+        self.connector_worker.release_held([params.remote_request_id])
+        return True
+
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or (
             self.connector_worker is not None and self.connector_worker.num_pending_requests() > 0)

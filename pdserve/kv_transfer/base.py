@@ -145,6 +145,10 @@ class KVConnectorWorker(ABC):
         """Why the request's load failed, for the client's error message (once; None if unknown)."""
         return None
 
+    def release_held(self, request_ids: list[str]) -> None:
+        """P: no reader will come for these requests (the decode hop failed before D took them):
+        free their blocks at the next get_finished instead of at lease expiry. Unknown ids: ignored."""
+
     def num_pending_requests(self) -> int:
         """Requests this half still tracks (held, queued, in flight, or to report). While it is
         above zero the engine keeps stepping, also with no request to compute."""

@@ -548,6 +548,10 @@ class PullConnectorWorker(KVConnectorWorker):
                     num_extended += 1
         return {"ok": True, "num_extended": num_extended}, b""
 
+    def release_held(self, request_ids: list[str]) -> None:
+        with self._lock:
+            self._released.update(r for r in request_ids if r in self._held)
+
     def _on_release(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         """A release (D gives up) or a done (D's READ finished): either way P may free the blocks."""
         now = time.monotonic()

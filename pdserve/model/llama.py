@@ -156,7 +156,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer_id, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache[:, layer_id], attn_metadata)
-        return self.norm(hidden, residual)[0]
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""

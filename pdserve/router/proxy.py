@@ -15,6 +15,10 @@ Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions` in P/D mo
 6. D fails after streaming began: an SSE error event, then `data: [DONE]`.
 7. Client disconnect: the handler is cancelled (handler_cancellation) or its write fails; closing the upstream
    response closes D's connection, or P's during step 2, and that backend aborts the request.
+8. D never took the request (no connection, or it answered with an error status): POST P /v1/kv/release with
+   the kv_transfer_params, in the background, so P frees the blocks now instead of when its lease runs out.
+   Not on a timeout or a client disconnect: D may be reading P's blocks then, and it releases or finishes
+   the read itself once its connection closes.
 Colocated mode skips steps 2-3: step 4 sends the body as is to a round-robin colocated instance.
 """
 from __future__ import annotations
@@ -53,6 +57,7 @@ class ProxyMetrics:
         self.ttft = r.histogram("time_to_first_token_seconds", LATENCY_BUCKETS,
                                 "Client request to the first bytes from the decode instance.")
         self.prefill_seconds = r.histogram("prefill_seconds", LATENCY_BUCKETS, "The prefill hop, retries included.")
+        self.num_kv_releases = r.counter("kv_releases_total", "Releases sent to a P whose decode hop did not happen.")
 
 
 def json_error(message: str, status: int, error_type: str | None = None) -> web.Response:
@@ -85,6 +90,7 @@ class BackendError(Exception):
         super().__init__(f"{role} backend {url} failed: {detail}")
         self.status, self.body, self.content_type = status, body, content_type
         self.is_retryable = body is None  # connection error, timeout, 5xx; never the client's 4xx
+        self.never_took_request = False   # set where that is certain: no connection, or an error status
 
     def response(self) -> web.Response:
         if self.body is not None:
@@ -101,6 +107,7 @@ class Proxy:
         self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=timeout)
         self.session: aiohttp.ClientSession | None = None
         self.metrics = ProxyMetrics()
+        self.releases: set[asyncio.Task] = set()  # in the background: the client's answer does not wait
 
     async def session_ctx(self, app: web.Application):
         connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
@@ -131,9 +138,14 @@ class Proxy:
             if self.colocated is not None:  # colocated: no prefill hop
                 return await self.final_hop(request, "colocated", self.colocated, body, headers, start)
             is_chat = request.path.endswith("/chat/completions")
-            kv_transfer_params = await self.prefill_hop(request.path, body, headers, is_chat)
-            body = dict(body, kv_transfer_params=kv_transfer_params)
-            return await self.final_hop(request, "decode", self.decode, body, headers, start)
+            prefill_url, kv_transfer_params = await self.prefill_hop(request.path, body, headers, is_chat)
+            try:
+                return await self.final_hop(request, "decode", self.decode,
+                                            dict(body, kv_transfer_params=kv_transfer_params), headers, start)
+            except BackendError as e:
+                if e.never_took_request:
+                    self.release_on_prefill(prefill_url, kv_transfer_params, headers)
+                raise
         except BackendError as e:
             level = logging.INFO if e.body is not None else logging.WARNING  # a 4xx is the client's doing
             logger.log(level, "request %s: %s", headers["X-Request-Id"], e)
@@ -158,16 +170,22 @@ class Proxy:
         try:
             resp = await self.session.post(url + path, json=body, headers=headers)
         except NETWORK_ERRORS as e:
-            raise BackendError(role, url, describe(e)) from e
+            error = BackendError(role, url, describe(e))
+            error.never_took_request = isinstance(e, aiohttp.ClientConnectorError)
+            raise error from e
         if resp.status < 400:
             return resp
         data = await self.read(role, url, resp)
         if resp.status < 500:  # the client's mistake: its own status and body
-            raise BackendError(role, url, f"HTTP {resp.status}", resp.status, data,
-                               resp.headers.get("Content-Type", "application/json"))
-        raise BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')}")
+            error = BackendError(role, url, f"HTTP {resp.status}", resp.status, data,
+                                 resp.headers.get("Content-Type", "application/json"))
+        else:
+            error = BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')}")
+        error.never_took_request = True
+        raise error
 
-    async def prefill_hop(self, path: str, body: dict, headers: dict, is_chat: bool) -> dict:
+    async def prefill_hop(self, path: str, body: dict, headers: dict, is_chat: bool) -> tuple[str, dict]:
+        """(the P that answered, its kv_transfer_params)."""
         prefill_body = dict(body, kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False)
         if is_chat:
             prefill_body["max_completion_tokens"] = 1
@@ -189,8 +207,22 @@ class Proxy:
             if (params := kv_transfer_params_of(data)) is None:
                 raise BackendError("prefill", url, "no kv_transfer_params in its answer (is it a KV producer?)")
             self.metrics.prefill_seconds.observe(time.monotonic() - start)
-            return params
+            return url, params
         raise error  # every P failed (with one P: no retry)
+
+    def release_on_prefill(self, url: str, kv_transfer_params: dict, headers: dict) -> None:
+        async def release() -> None:
+            try:
+                async with self.session.post(url + "/v1/kv/release", json={"kv_transfer_params": kv_transfer_params},
+                                             headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    if resp.status >= 400:
+                        logger.info("request %s: release on %s: HTTP %d", headers["X-Request-Id"], url, resp.status)
+            except (*NETWORK_ERRORS, RuntimeError) as e:  # (a closed session); P frees at lease expiry
+                logger.info("request %s: release on %s failed: %s", headers["X-Request-Id"], url, describe(e))
+        self.metrics.num_kv_releases.inc()
+        task = asyncio.get_running_loop().create_task(release())
+        self.releases.add(task)
+        task.add_done_callback(self.releases.discard)
 
     async def final_hop(self, request: web.Request, role: str, pool: Policy, body: dict, headers: dict,
                         start: float) -> web.StreamResponse:

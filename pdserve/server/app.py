@@ -244,6 +244,26 @@ class OpenAIServer:
             is_healthy = False
         return web.Response(status=200) if is_healthy else json_error(503, "engine is not healthy")
 
+    async def release_kv(self, request: web.Request) -> web.Response:
+        """POST /v1/kv/release {"kv_transfer_params": <what this P answered>}: the proxy's decode hop
+        failed before a D took the request, so free the blocks held for it now, not at lease expiry."""
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not isinstance(params, dict) or not isinstance(params.get("remote_request_id"), str):
+            return json_error(400, "expected {\"kv_transfer_params\": {... \"remote_request_id\": ...}}",
+                              "kv_transfer_params")
+        engine_id = getattr(self.engine, "engine_id", None)
+        if engine_id is None or params.get("remote_engine_id") != engine_id:
+            return json_error(404, f"these KV blocks are not held here (engine {engine_id!r})")
+        try:
+            self.engine.release_kv(params)
+        except ValueError as e:  # a malformed field: refused here, it never reaches the engine loop
+            return json_error(400, str(e), "kv_transfer_params")
+        return web.json_response({"status": "accepted"}, status=202)
+
     async def metrics_text(self, request: web.Request) -> web.Response:
         try:
             stats = {**ENGINE_STAT_DEFAULTS, **self.engine.stats()}
@@ -459,6 +479,7 @@ def build_app(engine: Any, *, api_key: str | None = None) -> web.Application:
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.metrics_text)
+    app.router.add_post("/v1/kv/release", server.release_kv)
 
     async def shutdown_tokenizer_pool(app: web.Application) -> None:
         server._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

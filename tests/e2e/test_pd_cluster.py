@@ -142,6 +142,50 @@ def test_lease_expiry_frees_blocks_when_no_decode_reads(cluster):
     assert wait_until(lambda: _idle(prefill), timeout=5)
 
 
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_release_frees_p_blocks_before_the_lease_runs_out(cluster):
+    """The proxy's decode hop fails (here: no D listening), so the proxy tells P to release; P frees
+    the blocks at once instead of holding them for its lease (4 s here, 30 s by default)."""
+    prefill = cluster["prefill"]
+    before = prefill.metrics()["kv_lease_expirations_total"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    proxy = Process(["proxy", "--prefill", prefill.url, "--decode", dead], "proxy-dead-decode")
+    try:
+        assert wait_until(lambda: _listening(proxy.port), timeout=60)  # /health is 503: its D is down
+        status, body = proxy.post("/v1/completions", {"model": "default", "prompt": token_prompt(50, 11),
+                                                      "max_tokens": 5, "temperature": 0})
+        assert status == 502 and "decode backend" in body["error"]["message"], body
+        assert wait_until(lambda: prefill.metrics()["num_blocks_held_for_transfer"] == 0, timeout=1.5)
+        assert wait_until(lambda: _idle(prefill), timeout=2)
+        assert prefill.metrics()["kv_lease_expirations_total"] == before
+    finally:
+        proxy.stop()
+
+    # The endpoint itself: another engine's blocks, or no params, are refused.
+    status, _ = prefill.post("/v1/kv/release", {"kv_transfer_params": {"remote_engine_id": "other",
+                                                                      "remote_request_id": "x"}})
+    assert status == 404
+    status, _ = prefill.post("/v1/kv/release", {"nothing": 1})
+    assert status == 400
+    params = complete(prefill, token_prompt(20, 5), max_tokens=1,
+                      kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    status, body = prefill.post("/v1/kv/release", {"kv_transfer_params": dict(params, remote_port="not a port")})
+    assert status == 400 and "remote_port" in body["error"]["message"]
+    prefill.wait_healthy(5)  # a malformed release once killed the engine loop
+    assert prefill.post("/v1/kv/release", {"kv_transfer_params": params})[0] == 202
+    assert wait_until(lambda: _idle(prefill), timeout=2)
+    assert prefill.metrics()["kv_lease_expirations_total"] == before
+
+
 def test_disconnect_while_waiting_for_kv_frees_everything(cluster):
     """A "P" whose side channel accepts and never answers keeps the request in
     WAITING_FOR_REMOTE_KVS; the client then goes away."""

@@ -40,6 +40,7 @@ class FakeBackend:
     sent: bytearray = field(default_factory=bytearray)   # raw bytes of the last streamed answer
     disconnected: threading.Event = field(default_factory=threading.Event)
     problems: list[str] = field(default_factory=list)     # what the fake found wrong in its requests
+    releases: list[dict] = field(default_factory=list)    # bodies of POST /v1/kv/release
 
     @property
     def kv_transfer_params(self) -> dict:
@@ -124,6 +125,10 @@ class FakeBackend:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    async def release(self, request: web.Request) -> web.Response:
+        self.releases.append(await request.json())
+        return web.json_response({"status": "accepted"}, status=202)
+
     async def models(self, request: web.Request) -> web.Response:
         self.received.append(Received(request.path, request.headers.copy(), {}))
         return web.json_response(protocol.models_response(MODEL, 2048))
@@ -134,6 +139,7 @@ class FakeBackend:
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/kv/release", self.release)
         return app
 
 

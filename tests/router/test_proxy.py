@@ -134,6 +134,36 @@ def test_decode_failure_before_streaming(harness, mode, status):
     assert message == "decode says 400" if status == 400 else f"decode backend {d.url} failed" in message
 
 
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.mark.parametrize("mode", ["http500", "http400", "dead"])
+def test_decode_hop_that_never_happened_releases_p_blocks(harness, mode):
+    """P holds the prompt's blocks for D until its lease runs out (30 s) unless told no D is coming."""
+    p = harness.backend("prefill")
+    decode = dead_url() if mode == "dead" else harness.backend("decode", mode).url
+    url = harness.proxy([p], [decode], timeout=0.3)
+    code, _, _ = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True), headers={"Authorization": "Bearer k"})
+    assert code in (400, 502)
+    assert wait_for(lambda: p.releases), "P was not told to release"
+    assert p.releases == [{"kv_transfer_params": p.kv_transfer_params}]
+    assert metrics(url)["pdserve:proxy_kv_releases_total"] == 1
+
+
+@pytest.mark.parametrize("mode", ["ok", "silent"])
+def test_no_release_when_d_may_be_reading(harness, mode):
+    """Served, or D timed out (it may be reading P's blocks: it releases or finishes the read itself)."""
+    p, d = harness.backend("prefill"), harness.backend("decode", mode)
+    url = harness.proxy([p], [d], timeout=0.3)
+    assert post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True))[0] == (200 if mode == "ok" else 502)
+    time.sleep(0.2)
+    assert p.releases == [] and metrics(url)["pdserve:proxy_kv_releases_total"] == 0
+
+
 def test_decode_dying_mid_stream_gives_sse_error_then_done(harness):
     p, d = harness.backend("prefill"), harness.backend("decode", "die_mid_stream")
     url = harness.proxy([p], [d])
