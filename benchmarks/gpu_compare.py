@@ -5,7 +5,9 @@ SLO: TTFT <= 2 s and TPOT <= 30 ms; a configuration's figure is the highest swep
 of requests meet both (and every lower rate did too). Two workloads:
 
   prefill-heavy  input 2,048-8,192 tokens, output 128-512 (uniform), 60 prompts per rate
-  decode-heavy   input 256-1,024, output 512-1,024, 200 prompts per rate
+  decode-heavy   input 256-1,024, output 512-1,024, 360 prompts per rate (fewer never fill a decode GPU)
+The rates are chosen from the first runs (2026-11-29, docs/benchmarks.md) so that each configuration's
+limit falls inside the sweep; the chunked configuration runs once per --chunked-budget.
 
 Each workload is one `pdserve bench compare --device cuda --num-devices 2` over the GPUs it is given.
 With 4 GPUs visible the two workloads run side by side (GPUs 0,1 and 2,3: separate GPUs, separate
@@ -34,11 +36,11 @@ WORKLOADS = {
     # Without chunked prefill a whole sequence must fit one step's budget (a preempted request is
     # recomputed in one step): 8,192 + 512 tokens need a 9,216-token budget.
     "prefill-heavy": ["--input-len", "5120", "--range-ratio", "0.6", "--output-len", "320",
-                      "--num-prompts", "60", "--request-rates", "2,4,6,8,10",
+                      "--num-prompts", "60", "--request-rates", "4,8,10,12,14",
                       "--max-num-batched-tokens", "9216"],
     "decode-heavy": ["--input-len", "640", "--range-ratio", "0.6", "--output-len", "768",
-                     "--output-range-ratio", "0.33333334", "--num-prompts", "200",
-                     "--request-rates", "12,20,28,36", "--max-num-batched-tokens", "9216"],
+                     "--output-range-ratio", "0.33333334", "--num-prompts", "360",
+                     "--request-rates", "20,30,40", "--max-num-batched-tokens", "9216"],
 }
 
 
@@ -67,7 +69,7 @@ def main() -> int:
     p.add_argument("--workloads", default="prefill-heavy,decode-heavy")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--time-limit", type=float, default=480.0, help="seconds per workload before SIGTERM")
-    p.add_argument("--chunked-budget", default="2048", help="one budget, or several (B,B,...): one run each")
+    p.add_argument("--chunked-budget", default="2048,4096", help="one budget, or several (B,B,...): one run each")
     p.add_argument("--kv-connector", default="cuda_ipc", choices=("cuda_ipc", "nixl"))
     p.add_argument("--num-prompts", default=None, help="override the workload's prompts per rate")
     p.add_argument("--request-rates", default=None, help="override the workload's rates")
