@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-import uuid
 
 import pytest
 import torch
@@ -19,66 +18,19 @@ from pdserve.core.request import Request, RequestStatus
 from pdserve.kv_transfer.cuda_ipc import CudaIpcConnectorWorker, export_kv_cache, import_kv_cache
 from pdserve.kv_transfer.factory import create_connector
 from pdserve.kv_transfer.pull import PullConnectorMeta, RecvSpec, SendSpec
-from pdserve.kv_transfer.pull_worker_common import coalesce
 from pdserve.sampling_params import SamplingParams
 
 from tests.core.helpers import assert_no_leaks, fake_token, make_scheduler
+from tests.kv_transfer.helpers import (BLOCK_BYTES, COMPAT, KV_SHAPE, NUM_BLOCKS, assert_idle, poll, recv_spec,
+                                       worker_factory)
 
-NUM_BLOCKS = 32
-KV_SHAPE = (NUM_BLOCKS, 2, 2, 4, 2, 8)  # [blocks, layers, k/v, slots, heads, dim]: 1 KiB blocks (fp32)
-BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4
-COMPAT = {"model": "toy", "dtype": "float32", "block_size": 4, "kv_layout": "blocks,layers,kv,slots,heads,dim"}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA IPC needs a GPU"))]
 
 
 @pytest.fixture
 def make_worker():
-    workers = []
-
-    def make(role: str, kv_cache: torch.Tensor | None = None, compat: dict | None = None,
-             **config) -> CudaIpcConnectorWorker:
-        cfg = KVTransferConfig(kv_connector="cuda_ipc", kv_role=role, **config)
-        worker = CudaIpcConnectorWorker(cfg, f"{role}-{uuid.uuid4().hex[:8]}", compat or COMPAT)
-        worker.register_kv_caches(kv_cache if kv_cache is not None else torch.zeros(KV_SHAPE))
-        workers.append(worker)
-        return worker
-
-    yield make
-    for worker in workers:
-        worker.shutdown()
-
-
-def recv_spec(request_id, p, local_block_ids, remote_block_ids, p_request_id="p-req", port=None):
-    return RecvSpec(request_id, local_block_ids, remote_block_ids, p.engine_id, p_request_id,
-                    "127.0.0.1", port or p.side_channel_port)
-
-
-def poll(workers, until, timeout=5.0):
-    """Step every worker until `until(sending, recving)` holds; returns everything reported."""
-    sending, recving = [], []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for worker in workers:
-            s, r = worker.get_finished()
-            sending.extend(s)
-            recving.extend(r)
-        if until(sending, recving):
-            return sending, recving
-        time.sleep(0.001)
-    raise AssertionError(f"timed out: sending={sending} recving={recving}")
-
-
-def assert_idle(*workers):
-    for worker in workers:
-        assert worker.num_pending_requests() == 0
-        assert worker.get_stats()["num_blocks_held_for_transfer"] == 0
-
-
-def test_coalesce_splits_where_either_side_breaks():
-    assert coalesce([3, 4, 5, 9, 10], [10, 11, 12, 2, 4]) == [(3, 10, 3), (9, 2, 1), (10, 4, 1)]
-    assert coalesce(list(range(8)), list(range(0, 16, 2))) == [(i, 2 * i, 1) for i in range(8)]
-    assert coalesce([], []) == []
+    yield from worker_factory("cuda_ipc")
 
 
 def test_export_moves_cpu_cache_into_shared_memory_keeping_its_content():
@@ -91,32 +43,6 @@ def test_export_moves_cpu_cache_into_shared_memory_keeping_its_content():
     assert torch.equal(mapped, kv_cache.view(torch.uint8).view(-1))
     kv_cache[3] = -1.0
     assert torch.equal(mapped.view(NUM_BLOCKS, BLOCK_BYTES)[3], kv_cache[3].view(torch.uint8).view(-1))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_read_scattered_blocks_is_byte_exact(make_worker, device):
-    p_cache = torch.arange(torch.Size(KV_SHAPE).numel(), dtype=torch.float32, device=device).reshape(KV_SHAPE)
-    p = make_worker("producer", p_cache)
-    d_cache = torch.zeros(KV_SHAPE, device=device)
-    d = make_worker("consumer", d_cache)
-    local, remote = [3, 4, 5, 9, 0, 12, 13], [10, 11, 12, 2, 7, 20, 22]  # one run of 3, then scattered
-
-    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", remote)]))
-    assert p.get_stats()["num_blocks_held_for_transfer"] == len(remote)
-    d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, local, remote)]))
-    sending, recving = poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
-
-    assert sending == ["p-req"] and recving == ["d-req"]
-    assert torch.equal(d_cache[local], p_cache[remote])
-    untouched = [b for b in range(NUM_BLOCKS) if b not in local]
-    assert not d_cache[untouched].any()
-    stats = d.get_stats()
-    assert stats["kv_transfer_descriptors_total"] == len(coalesce(local, remote)) == 5
-    assert stats["kv_transfer_bytes_total"] == len(local) * BLOCK_BYTES
-    assert stats["kv_transfer_failures_total"] == 0 and stats["kv_transfer_seconds"]["count"] == 1
-    assert p.get_stats()["kv_lease_expirations_total"] == 0  # freed by D's done, not by the lease
-    assert d.get_block_ids_with_load_errors() == set() and d.get_load_error("d-req") is None
-    assert_idle(p, d)
 
 
 def test_many_requests_one_step_are_done_in_one_message(make_worker):
@@ -185,28 +111,6 @@ def test_other_copy_paths_are_byte_exact(make_worker, device, options):
     assert_idle(p, d)
 
 
-def test_read_finished_before_send_spec_arrives(make_worker):
-    """D may READ (and say done) before P's scheduler hands its worker the SendSpec."""
-    p = make_worker("producer")
-    d = make_worker("consumer")
-    d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1], [2])]))
-    poll([p, d], lambda s, r: "d-req" in r)
-    time.sleep(0.05)  # the done message travels
-    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [2])]))
-    sending, _ = poll([p], lambda s, r: "p-req" in s)
-    assert sending == ["p-req"] and p.get_stats()["kv_lease_expirations_total"] == 0
-    assert_idle(p, d)
-
-
-def test_lease_expires_without_reader(make_worker):
-    p = make_worker("producer", lease_seconds=0.2)
-    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [1, 2])]))
-    assert p.get_finished() == (set(), set())
-    sending, _ = poll([p], lambda s, r: "p-req" in s)
-    assert sending == ["p-req"] and p.get_stats()["kv_lease_expirations_total"] == 1
-    assert_idle(p)
-
-
 def test_cancel_unknown_and_posted_requests_report_once(make_worker):
     p = make_worker("producer")
     d = make_worker("consumer")
@@ -251,22 +155,6 @@ def test_out_of_range_block_fails_request(make_worker):
     _, recving = poll([p, d], lambda s, r: "d-req" in r)
     assert d.get_block_ids_with_load_errors() == {1, 2}
     assert "remote block id out of range" in d.get_load_error("d-req")
-    assert_idle(p, d)
-
-
-@pytest.mark.parametrize("mode, invalid", [("all", {1, 2, 7}), ("last_block", {7})])
-def test_inject_read_failure(make_worker, mode, invalid):
-    p_cache = torch.rand(KV_SHAPE)
-    p = make_worker("producer", p_cache)
-    d_cache = torch.zeros(KV_SHAPE)
-    d = make_worker("consumer", d_cache, extra={"inject_read_failure": mode})
-    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [4, 5, 9])]))
-    d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1, 2, 7], [4, 5, 9])]))
-    sending, recving = poll([p, d], lambda s, r: "d-req" in r and "p-req" in s)
-    assert recving == ["d-req"] and sending == ["p-req"]
-    assert d.get_block_ids_with_load_errors() == invalid
-    assert f"{len(invalid)} of 3 blocks invalid" in d.get_load_error("d-req")
-    assert torch.equal(d_cache[[1, 2, 7]], p_cache[[4, 5, 9]])  # the copy itself was done
     assert_idle(p, d)
 
 

@@ -1,4 +1,5 @@
-"""NixlConnectorWorker over real NIXL (UCX, CPU DRAM): a P and a D worker in one process.
+"""NixlConnectorWorker over real NIXL (UCX, CPU DRAM): a P and a D worker in one process; what only
+NIXL's side has (heartbeats, handshakes). The lifecycle shared with cuda_ipc: test_pull_worker.py.
 
 Without the progress thread a READ completes only while both agents are progressed, so every
 wait polls both workers, as two engines stepping would.
@@ -8,128 +9,22 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import uuid
 
 import pytest
-import torch
 
-pytest.importorskip("numpy")
-try:
-    import nixl._api  # noqa: F401
-except ImportError:
-    pytest.importorskip("nixl_cu13._api")
-
-from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.nixl import NixlConnectorWorker
-from pdserve.kv_transfer.pull_worker_common import coalesce
 from pdserve.kv_transfer.pull import PullConnectorMeta, RecvSpec, SendSpec
 
-NUM_BLOCKS = 32
-KV_SHAPE = (NUM_BLOCKS, 2, 2, 4, 2, 8)  # [blocks, layers, k/v, slots, heads, dim]: 1 KiB blocks
-BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4
-COMPAT = {"model": "toy", "dtype": "float32", "block_size": 4, "kv_layout": "blocks,layers,kv,slots,heads,dim"}
+from tests.kv_transfer.helpers import (BLOCK_BYTES, COMPAT, assert_idle, nixl_available, poll, recv_spec,
+                                       worker_factory)
+
+if not nixl_available():
+    pytest.skip("needs NIXL (nixl or nixl_cu13)", allow_module_level=True)
 
 
 @pytest.fixture
 def make_worker():
-    workers = []
-
-    def make(role: str, kv_cache: torch.Tensor | None = None, compat: dict | None = None,
-             **config) -> NixlConnectorWorker:
-        cfg = KVTransferConfig(kv_connector="nixl", kv_role=role, **config)
-        worker = NixlConnectorWorker(cfg, f"{role}-{uuid.uuid4().hex[:8]}", compat or COMPAT)
-        worker.register_kv_caches(kv_cache if kv_cache is not None else torch.zeros(KV_SHAPE))
-        workers.append(worker)
-        return worker
-
-    yield make
-    for worker in workers:
-        worker.shutdown()
-
-
-def recv_spec(request_id, p, local_block_ids, remote_block_ids, p_request_id="p-req"):
-    return RecvSpec(request_id, local_block_ids, remote_block_ids, p.engine_id, p_request_id,
-                    "127.0.0.1", p.side_channel_port)
-
-
-def poll(workers, until, timeout=5.0):
-    """Step every worker until `until(sending, recving)` holds; returns everything reported."""
-    sending, recving = [], []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for worker in workers:
-            s, r = worker.get_finished()
-            sending.extend(s)
-            recving.extend(r)
-        if until(sending, recving):
-            return sending, recving
-        time.sleep(0.001)
-    raise AssertionError(f"timed out: sending={sending} recving={recving}")
-
-
-def assert_idle(*workers):
-    for worker in workers:
-        assert worker.num_pending_requests() == 0
-        assert worker.get_stats()["num_blocks_held_for_transfer"] == 0
-
-
-def test_coalesce_splits_where_either_side_breaks():
-    assert coalesce([3, 4, 5, 9, 10], [10, 11, 12, 2, 4]) == [(3, 10, 3), (9, 2, 1), (10, 4, 1)]
-    assert coalesce([], []) == []
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="VRAM path needs a GPU"))])
-def test_read_scattered_blocks_is_byte_exact(make_worker, device):
-    p_cache = torch.arange(torch.Size(KV_SHAPE).numel(), dtype=torch.float32, device=device).reshape(KV_SHAPE)
-    p = make_worker("producer", p_cache)
-    d_cache = torch.zeros(KV_SHAPE, device=device)
-    d = make_worker("consumer", d_cache)
-    local, remote = [3, 4, 5, 9, 0, 12, 13], [10, 11, 12, 2, 7, 20, 22]  # one run of 3, then scattered
-
-    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", remote)]))
-    assert p.get_stats()["num_blocks_held_for_transfer"] == len(remote)
-    d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, local, remote)]))
-    sending, recving = poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
-
-    assert sending == ["p-req"] and recving == ["d-req"]
-    assert torch.equal(d_cache[local], p_cache[remote])
-    untouched = [b for b in range(NUM_BLOCKS) if b not in local]
-    assert not d_cache[untouched].any()
-    stats = d.get_stats()
-    assert stats["kv_transfer_descriptors_total"] == len(coalesce(local, remote)) == 5
-    assert stats["kv_transfer_bytes_total"] == len(local) * BLOCK_BYTES
-    assert stats["kv_transfer_failures_total"] == 0
-    assert stats["kv_transfer_seconds"]["count"] == 1
-    assert stats["kv_transfer_seconds"]["counts"][-1] == 1
-    assert d.get_block_ids_with_load_errors() == set() and d.get_load_error("d-req") is None
-    assert_idle(p, d)
-
-
-def test_read_finished_before_send_spec_arrives(make_worker):
-    """D may READ (and notify) before P's scheduler hands its worker the SendSpec."""
-    p = make_worker("producer")
-    d = make_worker("consumer")
-    d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1], [2])]))
-    poll([p, d], lambda s, r: "d-req" in r)
-    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [2])]))
-    sending, _ = poll([p], lambda s, r: "p-req" in s)
-    assert sending == ["p-req"]
-    assert p.get_stats()["kv_lease_expirations_total"] == 0
-    assert_idle(p, d)
-
-
-def test_lease_expires_without_reader(make_worker):
-    p = make_worker("producer", lease_seconds=0.3)
-    start = time.monotonic()
-    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [1, 2])]))
-    assert p.get_finished() == (set(), set())
-    sending, _ = poll([p], lambda s, r: "p-req" in s)
-    assert time.monotonic() - start >= 0.3
-    assert sending == ["p-req"]
-    assert p.get_stats()["kv_lease_expirations_total"] == 1
-    assert_idle(p)
+    yield from worker_factory("nixl")
 
 
 def test_heartbeats_extend_lease(make_worker):
@@ -235,22 +130,3 @@ def test_unreachable_remote_fails_request(make_worker):
     assert d.get_load_error("d-req").startswith(f"handshake with remote engine gone-p at 127.0.0.1:{port} failed")
     assert d.get_load_error("d-req") is None  # returned and forgotten
     assert_idle(d)
-
-
-@pytest.mark.parametrize("mode, invalid", [("all", {1, 2, 7}), ("last_block", {7})])
-def test_inject_read_failure(make_worker, mode, invalid):
-    p_cache = torch.rand(KV_SHAPE)
-    p = make_worker("producer", p_cache)
-    d_cache = torch.zeros(KV_SHAPE)
-    d = make_worker("consumer", d_cache, extra={"inject_read_failure": mode})
-    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [4, 5, 9])]))
-    d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1, 2, 7], [4, 5, 9])]))
-    sending, recving = poll([p, d], lambda s, r: "d-req" in r and "p-req" in s)
-
-    assert recving == ["d-req"]
-    assert d.get_block_ids_with_load_errors() == invalid
-    assert d.get_block_ids_with_load_errors() == set()  # returned and cleared
-    assert f"{len(invalid)} of 3 blocks invalid" in d.get_load_error("d-req")
-    assert d.get_stats()["kv_transfer_failures_total"] == 1
-    assert torch.equal(d_cache[[1, 2, 7]], p_cache[[4, 5, 9]])  # the READ itself was done
-    assert_idle(p, d)

@@ -1,0 +1,98 @@
+"""The pull handoff's worker lifecycle (pull_worker_common.py), the same for every transport: a
+scattered READ is byte-exact and coalesced, a READ may finish before P's SendSpec, leases expire,
+fault injection. P and D workers in one process; NIXL over DRAM, cuda_ipc through the shared tensor."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.kv_transfer.pull import PullConnectorMeta, SendSpec
+from pdserve.kv_transfer.pull_worker_common import coalesce
+
+from tests.kv_transfer.helpers import (BLOCK_BYTES, KV_SHAPE, NUM_BLOCKS, assert_idle, nixl_available, poll,
+                                       recv_spec, worker_factory)
+
+TRANSPORTS = ["cuda_ipc", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="needs NIXL"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def make_worker(request):
+    yield from worker_factory(request.param)
+
+
+def test_coalesce_splits_where_either_side_breaks():
+    assert coalesce([3, 4, 5, 9, 10], [10, 11, 12, 2, 4]) == [(3, 10, 3), (9, 2, 1), (10, 4, 1)]
+    assert coalesce(list(range(8)), list(range(0, 16, 2))) == [(i, 2 * i, 1) for i in range(8)]
+    assert coalesce([], []) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_read_scattered_blocks_is_byte_exact(make_worker, device):
+    p_cache = torch.arange(torch.Size(KV_SHAPE).numel(), dtype=torch.float32, device=device).reshape(KV_SHAPE)
+    p = make_worker("producer", p_cache)
+    d_cache = torch.zeros(KV_SHAPE, device=device)
+    d = make_worker("consumer", d_cache)
+    local, remote = [3, 4, 5, 9, 0, 12, 13], [10, 11, 12, 2, 7, 20, 22]  # one run of 3, then scattered
+
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", remote)]))
+    assert p.get_stats()["num_blocks_held_for_transfer"] == len(remote)
+    d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, local, remote)]))
+    sending, recving = poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+
+    assert sending == ["p-req"] and recving == ["d-req"]
+    assert torch.equal(d_cache[local], p_cache[remote])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in local]
+    assert not d_cache[untouched].any()
+    stats = d.get_stats()
+    assert stats["kv_transfer_descriptors_total"] == len(coalesce(local, remote)) == 5
+    assert stats["kv_transfer_bytes_total"] == len(local) * BLOCK_BYTES
+    assert stats["kv_transfer_failures_total"] == 0 and stats["kv_transfer_seconds"]["count"] == 1
+    assert stats["kv_transfer_seconds"]["counts"][-1] == 1
+    assert p.get_stats()["kv_lease_expirations_total"] == 0  # freed by D's done, not by the lease
+    assert d.get_block_ids_with_load_errors() == set() and d.get_load_error("d-req") is None
+    assert_idle(p, d)
+
+
+def test_read_finished_before_send_spec_arrives(make_worker):
+    """D may READ (and say done) before P's scheduler hands its worker the SendSpec."""
+    p = make_worker("producer")
+    d = make_worker("consumer")
+    d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1], [2])]))
+    poll([p, d], lambda s, r: "d-req" in r)
+    time.sleep(0.05)  # the done message travels
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [2])]))
+    sending, _ = poll([p], lambda s, r: "p-req" in s)
+    assert sending == ["p-req"] and p.get_stats()["kv_lease_expirations_total"] == 0
+    assert_idle(p, d)
+
+
+def test_lease_expires_without_reader(make_worker):
+    p = make_worker("producer", lease_seconds=0.3)
+    start = time.monotonic()
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [1, 2])]))
+    assert p.get_finished() == (set(), set())
+    sending, _ = poll([p], lambda s, r: "p-req" in s)
+    assert time.monotonic() - start >= 0.3
+    assert sending == ["p-req"] and p.get_stats()["kv_lease_expirations_total"] == 1
+    assert_idle(p)
+
+
+@pytest.mark.parametrize("mode, invalid", [("all", {1, 2, 7}), ("last_block", {7})])
+def test_inject_read_failure(make_worker, mode, invalid):
+    p_cache = torch.rand(KV_SHAPE)
+    p = make_worker("producer", p_cache)
+    d_cache = torch.zeros(KV_SHAPE)
+    d = make_worker("consumer", d_cache, extra={"inject_read_failure": mode})
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [4, 5, 9])]))
+    d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1, 2, 7], [4, 5, 9])]))
+    sending, recving = poll([p, d], lambda s, r: "d-req" in r and "p-req" in s)
+    assert recving == ["d-req"] and sending == ["p-req"]
+    assert d.get_block_ids_with_load_errors() == invalid
+    assert d.get_block_ids_with_load_errors() == set()  # returned and cleared
+    assert f"{len(invalid)} of 3 blocks invalid" in d.get_load_error("d-req")
+    assert d.get_stats()["kv_transfer_failures_total"] == 1
+    assert torch.equal(d_cache[[1, 2, 7]], p_cache[[4, 5, 9]])  # the copy itself was done
+    assert_idle(p, d)
