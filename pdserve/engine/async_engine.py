@@ -194,10 +194,14 @@ class AsyncEngine:
         self._outbox.put(("abort", [request_id]))
 
     def release_kv(self, kv_transfer_params: dict) -> None:
-        """P: free the blocks held for a request no D will read (see EngineCore.release_kv).
-        ValueError for malformed params (checked here: an exception in the engine loop ends it)."""
-        KVTransferParams.from_dict(kv_transfer_params)
-        self._outbox.put(("release_kv", kv_transfer_params))
+        """P: free the blocks held for the request these params (this engine's answer) name, which no
+        D will read. ValueError when they are malformed or name another engine."""
+        params = KVTransferParams.from_dict(kv_transfer_params)
+        if params is None or params.remote_request_id is None:
+            raise ValueError("kv_transfer_params: remote_request_id is missing")
+        if params.remote_engine_id != self.engine_id:
+            raise LookupError(f"these KV blocks are not held here (engine {self.engine_id!r})")
+        self._outbox.put(("release_kv", [params.remote_request_id]))
 
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)

@@ -100,16 +100,11 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 
-    def release_kv(self, kv_transfer_params: dict) -> bool:
-        """P: the proxy's decode hop failed before D took the request, so no D will read the blocks
-        P holds for it: free them now rather than at lease expiry. False when the params name another
-        engine (or this one produces nothing)."""
-        params = KVTransferParams.from_dict(kv_transfer_params)
-        if (self.connector_worker is None or params is None or params.remote_request_id is None
-                or params.remote_engine_id != self.engine_id):
-            return False
-        self.connector_worker.release_held([params.remote_request_id])
-        return True
+    def release_kv(self, request_ids: list[str]) -> None:
+        """P: no D will read the blocks held for these requests (the proxy's decode hop failed before
+        a D took them): free them now rather than at lease expiry."""
+        if self.connector_worker is not None:
+            self.connector_worker.release_held(request_ids)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or (

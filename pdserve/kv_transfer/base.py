@@ -147,7 +147,7 @@ class KVConnectorWorker(ABC):
 
     def release_held(self, request_ids: list[str]) -> None:
         """P: no reader will come for these requests (the decode hop failed before D took them):
-        free their blocks at the next get_finished instead of at lease expiry. Unknown ids: ignored."""
+        free their blocks at the next get_finished instead of at lease expiry."""
 
     def num_pending_requests(self) -> int:
         """Requests this half still tracks (held, queued, in flight, or to report). While it is

@@ -145,7 +145,7 @@ class CudaIpcConnectorWorker(PullConnectorWorker):
         if copy not in COPY_CHOICES:
             raise ValueError(f"cuda_ipc_copy: expected one of {COPY_CHOICES}, got {copy!r}")
         self._memcpy = _cuda_memcpy_async() if copy == "cudart" and torch.cuda.is_available() else None
-        self.copy_path = "cudart" if self._memcpy is not None else "torch"  # cudart: for same-device copies
+        self.copy_path = "cudart" if self._memcpy is not None else "torch"  # reported by benchmarks/gpu_handoff.py
         if copy == "cudart" and self._memcpy is None and torch.cuda.is_available():
             logger.warning("cuda_ipc: no loaded CUDA runtime found; copies go through tensor.copy_")
         super().__init__(config, engine_id, compat)
@@ -243,6 +243,8 @@ class CudaIpcConnectorWorker(PullConnectorWorker):
 
     def _take_notifs(self) -> list[str]:
         request_ids: list[str] = []
+        if not self.config.is_producer:  # only a P is told "done": no syscall per step on a D
+            return request_ids
         while True:
             try:
                 request_ids.extend(json.loads(self._notify_sock.recv(1 << 16)))

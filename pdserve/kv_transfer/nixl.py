@@ -22,7 +22,7 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.pull_worker_common import (
-    PullConnectorWorker, _Recv, _Region, _RemoteEngine, check_inject_read_failure)
+    PullConnectorWorker, _Recv, _Region, _RemoteEngine)
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -48,7 +48,6 @@ class NixlConnectorWorker(PullConnectorWorker):
     def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int]) -> None:
         if nixl_agent is None:
             raise ImportError("kv_connector nixl: neither nixl nor nixl_cu13 is installed")
-        check_inject_read_failure(config)
         # enable_prog_thread: a NIXL thread progresses UCX (a busy-polling core); off, progress
         # happens inside our calls, i.e. once per engine step.
         self.agent = nixl_agent(engine_id, nixl_agent_config(

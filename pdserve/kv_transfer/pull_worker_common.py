@@ -261,8 +261,9 @@ class PullConnectorWorker(KVConnectorWorker):
         self._maybe_heartbeat()
         finished_sending = self._poll_sends()
         finished_recving, self._finished_recving = self._finished_recving, set()
-        expired = time.monotonic() - LOAD_ERROR_TTL_S
-        self._load_errors = {r: e for r, e in self._load_errors.items() if e[1] > expired}
+        if self._load_errors:  # errors no client asked for (get_load_error) go after a while
+            expired = time.monotonic() - LOAD_ERROR_TTL_S
+            self._load_errors = {r: e for r, e in self._load_errors.items() if e[1] > expired}
         return finished_sending, finished_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -549,16 +550,20 @@ class PullConnectorWorker(KVConnectorWorker):
         return {"ok": True, "num_extended": num_extended}, b""
 
     def release_held(self, request_ids: list[str]) -> None:
-        with self._lock:
-            self._released.update(r for r in request_ids if r in self._held)
+        self._mark_released(request_ids)
 
     def _on_release(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         """A release (D gives up) or a done (D's READ finished): either way P may free the blocks."""
+        self._mark_released(message.get("remote_request_ids", []))
+        return {"ok": True}, b""
+
+    def _mark_released(self, request_ids: list[str]) -> None:
+        """Free at the next get_finished; one not held yet (its SendSpec still on the way) is freed
+        when it arrives."""
         now = time.monotonic()
         with self._lock:
-            for request_id in message.get("remote_request_ids", []):
+            for request_id in request_ids:
                 if request_id in self._held:
                     self._released.add(request_id)
                 else:
                     self._early_done[request_id] = now
-        return {"ok": True}, b""

@@ -247,20 +247,15 @@ class OpenAIServer:
     async def release_kv(self, request: web.Request) -> web.Response:
         """POST /v1/kv/release {"kv_transfer_params": <what this P answered>}: the proxy's decode hop
         failed before a D took the request, so free the blocks held for it now, not at lease expiry."""
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
+        body = await _read_json(request)
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
-        if not isinstance(params, dict) or not isinstance(params.get("remote_request_id"), str):
-            return json_error(400, "expected {\"kv_transfer_params\": {... \"remote_request_id\": ...}}",
-                              "kv_transfer_params")
-        engine_id = getattr(self.engine, "engine_id", None)
-        if engine_id is None or params.get("remote_engine_id") != engine_id:
-            return json_error(404, f"these KV blocks are not held here (engine {engine_id!r})")
-        try:
+        if not isinstance(params, dict):
+            return json_error(400, "expected {\"kv_transfer_params\": {...}}", "kv_transfer_params")
+        try:  # checked here: a malformed field must never reach the engine loop
             self.engine.release_kv(params)
-        except ValueError as e:  # a malformed field: refused here, it never reaches the engine loop
+        except LookupError as e:
+            return json_error(404, str(e))
+        except ValueError as e:
             return json_error(400, str(e), "kv_transfer_params")
         return web.json_response({"status": "accepted"}, status=202)
 
@@ -355,18 +350,20 @@ class OpenAIServer:
     async def _collect(self, req: CompletionRequest | ChatCompletionRequest, generation: _Generation,
                        output: RequestOutput, *, is_chat: bool) -> web.Response:
         texts, token_ids = [], []
+        with_token_ids = self._with_token_ids(req)
         while True:
             if (message := error_message(output)) is not None:
                 return json_error(500, message)
             texts.append(output.new_text)
-            token_ids += output.new_token_ids
+            if with_token_ids:
+                token_ids += output.new_token_ids
             if output.finished:
                 break
             output = await generation.next()
         build = protocol.chat_response if is_chat else protocol.completion_response
         body = build(generation.request_id, self.engine.served_model_name, "".join(texts),
                      _finish_reason(output), _usage(output), kv_transfer_params=output.kv_transfer_params,
-                     token_ids=token_ids if self._with_token_ids(req) else None)
+                     token_ids=token_ids if with_token_ids else None)
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest,
@@ -375,6 +372,7 @@ class OpenAIServer:
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
         request_id, model, created = generation.request_id, self.engine.served_model_name, int(time.time())
+        with_token_ids = self._with_token_ids(req)
         try:
             if is_chat:
                 await response.write(protocol.sse_event(protocol.chat_chunk(
@@ -384,7 +382,7 @@ class OpenAIServer:
                     await response.write(protocol.sse_event(protocol.error_body(message, status=500)))
                     break
                 finish_reason = _finish_reason(output)
-                token_ids = output.new_token_ids if self._with_token_ids(req) else None
+                token_ids = output.new_token_ids if with_token_ids else None
                 if output.new_text or token_ids or finish_reason is not None:
                     if is_chat:
                         delta = {"content": output.new_text} if output.new_text else {}
