@@ -56,7 +56,7 @@ class EngineCore:
         # The connector is built after the runner: its compatibility hash needs the model's identity.
         self.runner = ModelRunner(mc, config.cache, None, num_blocks)
         info = self.runner.info
-        self.max_model_len = min(mc.max_model_len or info.max_model_len, info.max_model_len)
+        self.max_model_len = self.runner.max_model_len
         if not config.scheduler.enable_chunked_prefill:
             # A prompt must fit in one step's token budget when it cannot be split.
             self.max_model_len = min(self.max_model_len, config.scheduler.max_num_batched_tokens)

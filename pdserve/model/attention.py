@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import triton_attention
+from pdserve.model.host_copy import to_device
 from pdserve.model.layers import apply_rotary
 
 BACKENDS = ("auto", "triton", "reference")
@@ -52,7 +53,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int]       # host copies so the reference path needs no device sync
     seq_lens_cpu: list[int]
     block_size: int
-    num_decodes: int = field(init=False)  # leading sequences with one query token (the runner puts them first)
+    # Derived once per step, not per layer:
+    num_decodes: int = field(init=False)    # leading sequences with one query token (the runner puts them first)
+    max_query_len: int = field(init=False)  # 1: a decode-only batch
 
     def __post_init__(self) -> None:
         n = 0
@@ -61,6 +64,7 @@ class AttentionMetadata:
                 break
             n += 1
         self.num_decodes = n
+        self.max_query_len = max(self.query_lens_cpu, default=1)
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -108,7 +112,7 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetada
         # Host lists choose tile shapes only (1 = a decode-only batch): no device sync.
         return triton_attention.paged_attention_triton(
             q, kv_layer, md.query_start_loc, md.seq_lens, md.block_tables, md.block_size, scale,
-            max(md.query_lens_cpu, default=1), num_decodes=md.num_decodes)
+            md.max_query_len, num_decodes=md.num_decodes)
     return paged_attention_reference(q, kv_layer, md, scale)
 
 
@@ -139,9 +143,8 @@ def paged_attention_reference(q: torch.Tensor, kv_layer: torch.Tensor, md: Atten
         out[:] = _decode_attention(q, kv_layer, md.block_tables, md.seq_lens,
                                    max(md.seq_lens_cpu), md.block_size, scale)
         return out
-    # Host -> device copies without a stream sync (torch.tensor(..., device=cuda) would wait).
-    seq_index = torch.tensor(decode_seq_ids).to(q.device, non_blocking=True)
-    token_index = torch.tensor(decode_token_ids).to(q.device, non_blocking=True)
+    seq_index = to_device(decode_seq_ids, torch.long, q.device)
+    token_index = to_device(decode_token_ids, torch.long, q.device)
     out[token_index] = _decode_attention(
         q[token_index], kv_layer, md.block_tables[seq_index], md.seq_lens[seq_index],
         max(md.seq_lens_cpu[i] for i in decode_seq_ids), md.block_size, scale)

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pdserve.model.host_copy import to_device
+
 Values = torch.Tensor | Sequence[float]
 
 
@@ -29,7 +31,8 @@ def sample(logits: torch.Tensor, temperatures: Values, top_ps: Values, top_ks: V
         return logits.argmax(dim=-1)
     device = logits.device
     vocab_size = logits.shape[-1]
-    greedy_ids = logits.argmax(dim=-1)  # [N]
+    # Rows with temperature 0 take the argmax; a host list shows when there are none.
+    greedy_ids = None if _is_host(temperatures) and all(t != 0 for t in temperatures) else logits.argmax(dim=-1)
     temperatures = _as_tensor(temperatures, torch.float32, device)
     is_greedy = temperatures == 0
     logits = logits / torch.where(is_greedy, 1.0, temperatures)[:, None]  # [N, V]
@@ -40,7 +43,7 @@ def sample(logits: torch.Tensor, temperatures: Values, top_ps: Values, top_ks: V
                                    _as_tensor(top_ps, torch.float32, device))
     probs = logits.softmax(dim=-1)  # [N, V]
     sampled_ids = (probs / _exponential_noise(probs.shape, generators, device)).argmax(dim=-1)
-    return torch.where(is_greedy, greedy_ids, sampled_ids)
+    return sampled_ids if greedy_ids is None else torch.where(is_greedy, greedy_ids, sampled_ids)
 
 
 class Sampler(nn.Module):
@@ -86,4 +89,4 @@ def _is_host(values: Values) -> bool:
 def _as_tensor(values: Values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.to(device=device, dtype=dtype)
-    return torch.tensor(list(values), dtype=dtype).to(device, non_blocking=True)  # no stream sync
+    return to_device(values, dtype, device)

@@ -15,8 +15,10 @@ import torch
 
 from pdserve.config import CacheConfig, ModelConfig
 from pdserve.core.batch import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdserve.core.kv_cache_manager import cdiv
 from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.model.attention import AttentionMetadata
+from pdserve.model.host_copy import to_device
 from pdserve.model.loader import load_model
 from pdserve.model.sampler import sample
 from pdserve.sampling_params import SamplingParams
@@ -53,10 +55,10 @@ class ModelRunner:
             connector.register_kv_caches(self.kv_cache)
         self.generators: dict[str, torch.Generator] = {}
         if enforce_eager is None:
-            enforce_eager = (getattr(model_config, "enforce_eager", False)
-                             or os.environ.get("PDSERVE_ENFORCE_EAGER", "0") == "1")
+            enforce_eager = os.environ.get("PDSERVE_ENFORCE_EAGER", "0") == "1"
         self.pin_memory = self.device.type == "cuda"
-        self.max_model_len = model_config.max_model_len or self.info.max_model_len
+        # The model's limit caps the asked length; the engine takes this value (one answer for both).
+        self.max_model_len = min(model_config.max_model_len or self.info.max_model_len, self.info.max_model_len)
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager:
             self.capture_decode_graphs()
@@ -64,21 +66,21 @@ class ModelRunner:
     def capture_decode_graphs(self) -> None:
         self.decode_graphs = None  # the old graphs' memory goes back to the pool first
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size,
-                                          -(-self.max_model_len // self.block_size))
+                                          cdiv(self.max_model_len, self.block_size))
         self.decode_graphs.capture()
 
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int) -> None:
         """Run the shapes serving will meet before the first request does: a full-budget prefill, a
         mixed prefill + decode step, prefills of 2, 3, 5, 9, ... tokens (kernels pick tile shapes
-        by the next power of two of the longest query) and, without CUDA graphs, decode batches. On CUDA their first run compiles kernels
-        (Triton, torch.compile), which would otherwise land on some client's TTFT, seconds into
-        serving. Writes only into blocks that no request holds yet (the cache is empty at start-up)."""
+        by the next power of two of the longest query) and, without CUDA graphs, decode batches.
+        On CUDA their first run compiles kernels (Triton, torch.compile), which would otherwise land
+        on some client's TTFT, seconds into serving. Writes only into blocks that no request holds yet (the cache is empty at start-up)."""
         if self.device.type != "cuda":
             return
         bs, greedy = self.block_size, SamplingParams(temperature=0.0)
         num_tokens = max(2, min(max_num_batched_tokens, self.max_model_len - 1, self.num_blocks * bs - 2 * bs))
-        blocks = list(range(-(-num_tokens // bs)))
+        blocks = list(range(cdiv(num_tokens, bs)))
         steps = [
             [ScheduledRequest("warm-prefill", [0] * num_tokens, 0, blocks, greedy, True)],
             [ScheduledRequest("warm-chunk", [0] * min(17, num_tokens - 1), 1, blocks, greedy, True),
@@ -147,19 +149,20 @@ class ModelRunner:
             # Pure decode: replay the bucket's graph (logits of every row; decodes all sample).
             logits = graphs.run(input_ids, positions, slot_mapping, seq_lens, block_tables)
             if len(sample_items) != len(scheduled):
-                logits = logits[self._to_device(logits_rows, torch.long)]
+                logits = logits[to_device(logits_rows, torch.long, self.device)]
         else:
             md = AttentionMetadata(
-                query_start_loc=self._to_device(query_start_loc, torch.int32),
-                seq_lens=self._to_device(seq_lens, torch.int32),
+                query_start_loc=to_device(query_start_loc, torch.int32, self.device),
+                seq_lens=to_device(seq_lens, torch.int32, self.device),
                 block_tables=block_tables.to(self.device, non_blocking=True),
-                slot_mapping=self._to_device(slot_mapping, torch.int64),
+                slot_mapping=to_device(slot_mapping, torch.int64, self.device),
                 query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=bs)
-            hidden = self.model(self._to_device(input_ids, torch.long), self._to_device(positions, torch.long),
+            hidden = self.model(to_device(input_ids, torch.long, self.device),
+                                to_device(positions, torch.long, self.device),
                                 md, self.kv_cache)
             if not logits_rows:
                 return {}
-            logits = self.model.compute_logits(hidden[self._to_device(logits_rows, torch.long)])
+            logits = self.model.compute_logits(hidden[to_device(logits_rows, torch.long, self.device)])
         if not sample_items:
             return {}
         sp = [item.sampling_params for item in sample_items]
@@ -167,13 +170,6 @@ class ModelRunner:
         token_ids = sample(logits, [p.temperature for p in sp], [p.top_p for p in sp],
                            [p.top_k for p in sp], [self._generator(item) for item in sample_items]).tolist()
         return {item.request_id: t for item, t in zip(sample_items, token_ids)}
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """Host list -> device tensor with no stream sync: from pinned memory on CUDA (a copy from
-        pageable memory waits for the device), whose block the caching host allocator keeps until the
-        copy has run."""
-        host = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
-        return host.to(self.device, non_blocking=True)
 
     def _generator(self, item) -> torch.Generator | None:
         seed = item.sampling_params.seed
