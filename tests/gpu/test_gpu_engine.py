@@ -101,7 +101,12 @@ def test_bf16_teacher_forced_agreement(tiny_paths):
     assert rate >= 0.99
 
 
-def test_triton_and_reference_paths_give_the_same_fp32_logits(tiny_paths):
+def test_triton_and_reference_paths_give_the_same_fp32_logits(tiny_paths, monkeypatch):
+    from pdserve.model import triton_attention
+    assert triton_attention.is_available()  # else "triton" would quietly run the reference path
+    calls = []
+    kernel = triton_attention.paged_attention_triton
+    monkeypatch.setattr(triton_attention, "paged_attention_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     model, _ = load_model(tiny_paths["qwen3"], torch.float32, torch.device("cuda"))
     seqs = prompts_of([37, 5, 64, 12])
     out = {}
@@ -116,6 +121,7 @@ def test_triton_and_reference_paths_give_the_same_fp32_logits(tiny_paths):
             out[backend] = torch.cat([first, mixed])
         finally:
             attention.BACKEND = "auto"
+    assert calls, "the triton backend never ran the Triton kernel"
     torch.testing.assert_close(out["triton"], out["reference"], atol=2e-4, rtol=2e-4)
 
 
@@ -133,6 +139,7 @@ def test_serving_new_batch_shapes_after_start_up_compiles_nothing(tiny_paths):
     specialized on."""
     llm = LLM(tiny_paths["llama"], device="cuda", dtype="bfloat16", block_size=16, num_blocks=512)
     before = _compiled_variants()
+    assert before["attn"] > 0 and before["rope_write_kv"] > 0, before  # the Triton path ran at start-up
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for lengths in ([1], [5, 16], [17, 33, 100], [3] * 16, [2, 7, 31, 64, 129, 200] * 3, [250]):
         llm.generate(prompts_of(lengths, seed=len(lengths)), greedy)  # 1..18 sequences, 1..14 blocks wide

@@ -18,6 +18,7 @@ def test_second_load_comes_from_the_cache_and_is_identical(tmp_path, monkeypatch
     monkeypatch.setattr(gguf, "GGUFReader", no_parsing)
     second, info2 = loader.load_model(str(gguf_file), torch.float32, torch.device("cpu"))
     assert info1 == info2
+    assert len(first.state_dict()) == len(second.state_dict())
     for (n1, p1), (n2, p2) in zip(first.state_dict().items(), second.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2), n1
 

@@ -69,6 +69,7 @@ def test_dummy_weights_are_deterministic(tiny_model_paths):
     assert torch.equal(state_a["norm.weight"], torch.ones(64))
     assert abs(state_a["layers.1.mlp.gate_up_proj.weight"].std().item() - 0.02) < 0.002
     assert info_a.identity == info_b.identity != info_c.identity != real.identity
+    assert info_a.identity != real.identity
     runner = PagedRunner(a)  # a dummy model runs
     assert torch.isfinite(runner.step([[1, 2, 3]], [3], [runner.blocks_for(3)])).all()
 

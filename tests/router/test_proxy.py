@@ -157,11 +157,15 @@ def test_decode_hop_that_never_happened_releases_p_blocks(harness, mode):
 @pytest.mark.parametrize("mode", ["ok", "silent"])
 def test_no_release_when_d_may_be_reading(harness, mode):
     """Served, or D timed out (it may be reading P's blocks: it releases or finishes the read itself)."""
-    p, d = harness.backend("prefill"), harness.backend("decode", mode)
-    url = harness.proxy([p], [d], timeout=0.3)
+    p, d, failing = harness.backend("prefill"), harness.backend("decode", mode), harness.backend("decode", "http500")
+    url = harness.proxy([p], [d, failing], timeout=0.3)  # round-robin: d first, then failing
     assert post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True))[0] == (200 if mode == "ok" else 502)
-    time.sleep(0.2)
-    assert p.releases == [] and metrics(url)["pdserve:proxy_kv_releases_total"] == 0
+    assert post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True))[0] == 502
+    # the second request's release arrives; had the first sent one, it would be here by then too
+    assert wait_for(lambda: p.releases)
+    time.sleep(0.1)
+    assert len(p.releases) == 1 and metrics(url)["pdserve:proxy_kv_releases_total"] == 1
+    assert [r.path for r in failing.received] == ["/v1/completions"]
 
 
 def test_decode_dying_mid_stream_gives_sse_error_then_done(harness):
