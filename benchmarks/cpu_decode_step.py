@@ -1,16 +1,20 @@
 """CPU decode step and prefill time of the default model, at a chosen number of torch threads.
 
-    .venv/bin/python benchmarks/cpu_decode_step.py [--threads 1] [--batch 64] [--prompt-len 256]
+    .venv/bin/python benchmarks/cpu_decode_step.py [--threads 1] [--batch 64] [--prompt-len 256] [--out F.json]
 
 Prefills `batch` random prompts, runs until every request is decoding, then times 5 pure-decode steps
-(schedule + execute + update). Prints the figures and a torch profile of one step (top ops), so
+(schedule + execute + update), and a [64x576]x[576x3072] fp32 matmul (the machine's GFLOP/s at these threads). Prints the figures and a torch profile of one step (top ops), so
 that a change to the attention path or to threads can be measured before and after.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import statistics
 import time
+
+import torch
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -23,6 +27,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--out", default=None, help="also write the figures here (JSON)")
     args = p.parse_args()
     llm = LLM("default", num_threads=args.threads, max_num_seqs=args.batch, enable_prefix_caching=False)
     rng = random.Random(0)
@@ -47,6 +52,20 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     print(f"threads={args.threads} batch={args.batch} prompt={args.prompt_len}: prefill {prefill_s:.1f} s, "
           f"decode step {', '.join(f'{t * 1e3:.0f}' for t in times)} ms")
+    a, b = torch.randn(64, 576), torch.randn(576, 3072)
+    a @ b
+    seconds = []
+    for _ in range(20):
+        start = time.perf_counter()
+        a @ b
+        seconds.append(time.perf_counter() - start)
+    gflops = 2 * 64 * 576 * 3072 / statistics.median(seconds) / 1e9
+    print(f"matmul [64x576]x[576x3072]: {gflops:.0f} GFLOP/s (median of 20)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"threads": args.threads, "batch": args.batch, "prompt_len": args.prompt_len,
+                       "prefill_s": prefill_s, "decode_step_ms": [t * 1e3 for t in times],
+                       "matmul_gflops": gflops}, f, indent=1)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))

@@ -6,11 +6,13 @@ Each run does one warm-up handoff (handshake + UCX wireup), then `repeats` timed
 num_blocks blocks: contiguous (1 descriptor) or every other remote block (num_blocks descriptors).
 Time is start_load_kv → D's finished_recving, both workers stepped in a loop as two engines would.
 It also reports process CPU seconds per handoff and per idle second: the progress thread's price.
+Every case runs in a process of its own.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import time
 import uuid
@@ -93,8 +95,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    results = [measure_handoff(args.num_blocks, args.block_bytes, contiguous, prog, args.repeats, args.device)
-               for contiguous in (True, False) for prog in (False, True)]
+    # Each case in a fresh process: a progress thread outlives its agent's shutdown and would keep a
+    # core busy (and its CPU time counted) through every later case of the same process.
+    ctx = multiprocessing.get_context("spawn")
+    results = []
+    for contiguous in (True, False):
+        for prog in (False, True):
+            with ctx.Pool(1) as pool:
+                results.append(pool.apply(measure_handoff, (args.num_blocks, args.block_bytes, contiguous, prog,
+                                                            args.repeats, args.device)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,8 +1,8 @@
 """How many torch threads an engine should use on CPU.
 
 More threads are not always faster. On this project's 2-core machines a [64x576]x[576x3072] matmul
-ran at 57-60 GFLOP/s on 1 thread and 106-120 on 2 when the machine was quiet, but at 74 on 1 and 33
-on 2 while other processes shared the cores (OpenMP threads wait for a descheduled peer). So unless
+ran at 87 GFLOP/s on 1 thread and 156 on 2 when the machine was quiet (docs/benchmarks.md), but slower
+on 2 than on 1 while other processes shared the cores (OpenMP threads wait for a descheduled peer). So unless
 told, the engine times a small matmul at 1 thread and at every allowed core, and keeps the faster.
 """
 from __future__ import annotations
