@@ -543,6 +543,8 @@ def add_compare_parser(bench_sub: argparse._SubParsersAction) -> None:
     m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     m.add_argument("--max-model-len", type=_positive_int, default=None)
+    m.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help="most requests running at once, per instance (default: the instance's, 256)")
     m.add_argument("--kv-cache-memory", type=_positive_int, default=None, help="bytes of KV cache per instance (CPU)")
 
     r = p.add_argument_group("processes and output")
@@ -561,7 +563,8 @@ def add_compare_parser(bench_sub: argparse._SubParsersAction) -> None:
 def compare_config_from_args(args: argparse.Namespace) -> CompareConfig:
     serve_args = ["--model", args.serve_model, "--load-format", args.load_format, "--dtype", args.dtype,
                   "--seed", str(args.seed)]
-    for flag, value in (("--max-model-len", args.max_model_len), ("--kv-cache-memory", args.kv_cache_memory)):
+    for flag, value in (("--max-model-len", args.max_model_len), ("--kv-cache-memory", args.kv_cache_memory),
+                        ("--max-num-seqs", args.max_num_seqs)):
         if value is not None:
             serve_args += [flag, str(value)]
     cc = CompareConfig(configs=args.configs, num_devices=args.num_devices, prefill_share=args.prefill_share,

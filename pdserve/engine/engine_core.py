@@ -54,7 +54,8 @@ class EngineCore:
         elif device.type == "cpu":
             choose_num_threads()
         # The connector is built after the runner: its compatibility hash needs the model's identity.
-        self.runner = ModelRunner(mc, config.cache, None, num_blocks)
+        self.runner = ModelRunner(mc, config.cache, None, num_blocks,
+                                  max_num_seqs=config.scheduler.max_num_seqs)
         info = self.runner.info
         self.max_model_len = self.runner.max_model_len
         if not config.scheduler.enable_chunked_prefill:

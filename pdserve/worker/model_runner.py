@@ -22,7 +22,7 @@ from pdserve.model.host_copy import to_device
 from pdserve.model.loader import load_model
 from pdserve.model.sampler import sample
 from pdserve.sampling_params import SamplingParams
-from pdserve.worker.cuda_graphs import DecodeGraphs
+from pdserve.worker.cuda_graphs import DecodeGraphs, graph_buckets
 from pdserve.worker.kv_cache import allocate_kv_cache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +43,7 @@ def resolve_device_and_dtype(config: ModelConfig) -> tuple[torch.device, torch.d
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  connector: KVConnectorWorker | None = None, num_blocks: int | None = None,
-                 enforce_eager: bool | None = None) -> None:
+                 enforce_eager: bool | None = None, max_num_seqs: int = 256) -> None:
         self.device, self.dtype = resolve_device_and_dtype(model_config)
         self.block_size = cache_config.block_size
         self.model, self.info = load_model(model_config.model, self.dtype, self.device,
@@ -59,6 +59,7 @@ class ModelRunner:
         self.pin_memory = self.device.type == "cuda"
         # The model's limit caps the asked length; the engine takes this value (one answer for both).
         self.max_model_len = min(model_config.max_model_len or self.info.max_model_len, self.info.max_model_len)
+        self.max_num_seqs = max_num_seqs
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager:
             self.capture_decode_graphs()
@@ -66,7 +67,8 @@ class ModelRunner:
     def capture_decode_graphs(self) -> None:
         self.decode_graphs = None  # the old graphs' memory goes back to the pool first
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size,
-                                          cdiv(self.max_model_len, self.block_size))
+                                          cdiv(self.max_model_len, self.block_size),
+                                          graph_buckets(self.max_num_seqs))
         self.decode_graphs.capture()
 
     @torch.inference_mode()
@@ -91,7 +93,7 @@ class ModelRunner:
             steps.append([ScheduledRequest("warm-short", [0] * length, 0, blocks, greedy, True)])
             length = 2 * length - 1  # 2, 3, 5, 9, 17, ...: one length per power-of-two bucket
         if self.decode_graphs is None:  # else capture ran every decode split count already
-            for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):  # decode kernels choose splits by batch size
+            for n in graph_buckets(self.max_num_seqs):  # decode kernels choose splits by batch size
                 steps.append([ScheduledRequest(f"warm-decode-{i}", [0], num_tokens - 1, blocks, greedy, True)
                               for i in range(n)])
         for scheduled in steps:

@@ -341,11 +341,11 @@ def test_cli_flags_reach_the_instances_and_the_workload():
     args = parse(["bench", "compare", "--configs", "disaggregated,colocated", "--num-devices", "4",
                   "--prefill-share", "1:3", "--chunked-budget", "256", "--model", "m.gguf", "--load-format", "dummy",
                   "--seed", "7", "--max-model-len", "1024", "--kv-cache-memory", "1000000", "--num-prompts", "8",
-                  "--request-rates", "1,inf", "--base-port", "9000"])
+                  "--request-rates", "1,inf", "--base-port", "9000", "--max-num-seqs", "512"])
     cc, bench = compare_config_from_args(args), config_from_args(args)
     assert cc.configs == ("disaggregated", "colocated") and cc.num_prefill() == 1 and cc.base_port == 9000
     assert cc.serve_args == ("--model", "m.gguf", "--load-format", "dummy", "--dtype", "auto", "--seed", "7",
-                             "--max-model-len", "1024", "--kv-cache-memory", "1000000")
+                             "--max-model-len", "1024", "--kv-cache-memory", "1000000", "--max-num-seqs", "512")
     assert bench.model is None and bench.seed == 7 and bench.num_prompts == 8   # the model comes from /v1/models
     assert args.request_rates == [1.0, float("inf")]
     with pytest.raises(SystemExit):
