@@ -268,6 +268,25 @@ def print_rows(title: str, rows: list[dict]) -> None:
         print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
 
+def bench_splits(quick: bool) -> dict:
+    """Split-K factor of the decode kernel at small batches (2,048-token contexts): what a larger
+    MAX_SPLITS would buy. decode_num_splits() picks by batch size; here every factor is forced."""
+    from pdserve.model import triton_attention as ta
+    import triton.testing
+    rows = []
+    for n in (1, 4, 16, 64):
+        q, kv, md = paged_setup([(1, 2048)] * n)
+        chosen = ta.decode_num_splits(n, 8, torch.cuda.get_device_properties(0).multi_processor_count)
+        for splits in (1, 4, 8, 16, 32, 64):
+            fn = lambda: ta.paged_attention_triton(q, kv, md.query_start_loc, md.seq_lens,  # noqa: E731
+                                                   md.block_tables, md.block_size, 128 ** -0.5, 1, splits)
+            t = triton.testing.do_bench(fn, warmup=10, rep=20 if quick else 60, return_mode="median") / 1e3
+            rows.append({"batch": n, "splits": splits, "chosen_now": splits == chosen, "us": t * 1e6,
+                         "kv_gbps": n * 2048 * 2 * 8 * 128 * 2 / t / 1e9})
+    print_rows("decode attention: split-K factor (one layer, 2,048 context)", rows)
+    return {"date": today(), "machine": machine(), "max_splits_now": ta.MAX_SPLITS, "rows": rows}
+
+
 # -- stage: decode step --------------------------------------------------------------------------
 
 def profile_replay(graph) -> dict:
@@ -388,12 +407,63 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
+def bench_engine_decode(llm, quick: bool, context: int = 2048) -> dict:
+    """Decode steps as the engine runs them (schedule, inputs, replay, sampling, outputs), with async
+    scheduling on (the CUDA default: the host work of step N+1 overlaps the device running step N)
+    and off, on the same requests. A step's time is the wall time of many consecutive engine steps
+    over their number, once every request is decoding."""
+    from pdserve.sampling_params import SamplingParams
+    engine = llm.engine
+    shape = Shape(engine.runner.model)
+    steps = 8 if quick else 30
+    rows = []
+    for n in (1, 64, 256):
+        prompts = random_prompts(n, context - 8, shape.vocab, seed=n)
+        # early prompts decode while later ones prefill (up to ~64 steps at 256 x 2,040 tokens)
+        params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+        ids = [f"decode{n}-{i}" for i in range(n)]
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, prompt, params)
+        requests = [engine.scheduler.requests[rid] for rid in ids]
+        while any(r.num_output_tokens < 2 for r in requests):  # every prompt done, everyone decoding
+            engine.step()
+        row = {"batch": n}
+        for mode in (True, False):
+            engine.async_scheduling = mode
+            for _ in range(3):
+                engine.step()
+            torch.cuda.synchronize()
+            contexts = [r.num_tokens for r in requests]
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            elapsed = (time.perf_counter() - start) / steps
+            assert all(not r.is_finished for r in requests)
+            roofline = shape.decode_bytes([c + steps // 2 for c in contexts]) / HBM_BYTES_PER_S
+            key = "async" if mode else "sync"
+            row.update({f"{key}_step_ms": elapsed * 1e3, f"{key}_roofline_ms": roofline * 1e3,
+                        f"{key}_step_over_roofline": elapsed / roofline})
+        engine.async_scheduling = True
+        engine.abort(ids)
+        while engine.has_work():
+            engine.step()
+        rows.append(row)
+    print_rows("engine decode step (Llama-3.1-8B shape, bf16, ~2,048-token contexts)", rows)
+    return {"date": today(), "machine": machine(), "model": MODEL + " (dummy weights)",
+            "formula": "step = wall time of consecutive EngineCore.step() calls / their number, all requests "
+                       "decoding; roofline = (weight bytes + KV bytes read at the middle context) / 4.3e12 B/s",
+            "rows": rows}
+
+
 def bench_offline(num_prompts: int, input_len: int, output_len: int, max_num_seqs: int, budget: int,
-                  hf_prompts: int) -> dict:
+                  hf_prompts: int, engine_decode: dict | None = None, quick: bool = False) -> dict:
+    """engine_decode: a dict to fill with bench_engine_decode's result on the same engine first."""
     from pdserve.engine.llm import LLM
     from pdserve.sampling_params import SamplingParams
     llm = LLM(MODEL, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=budget, max_model_len=input_len + output_len + 16)
+              max_num_batched_tokens=budget, max_model_len=max(input_len + output_len, 2048 + 256) + 16)
+    if engine_decode is not None:
+        engine_decode.update(bench_engine_decode(llm, quick))
     runner = llm.engine.runner
     shape = Shape(runner.model)
     prompts = random_prompts(num_prompts, input_len, shape.vocab)
@@ -409,17 +479,20 @@ def bench_offline(num_prompts: int, input_len: int, output_len: int, max_num_seq
         return execute(out)
     runner.execute_model = recording_execute
 
-    def timed(batch):
+    def timed(batch, async_scheduling=True):
+        llm.engine.async_scheduling = async_scheduling
         steps.clear()
         start = time.perf_counter()
         results = llm.generate(batch, params)
         elapsed = time.perf_counter() - start
         num_out = sum(len(r.token_ids) for r in results)
         assert num_out == len(batch) * output_len
+        llm.engine.async_scheduling = True
         return elapsed, num_out, roofline(shape, steps), len(steps)
 
     small = timed(prompts[:hf_prompts])
     full = timed(prompts)
+    full_sync = timed(prompts, async_scheduling=False)  # before: the synchronous engine loop
     del runner.execute_model  # back to the class's method
     llm = runner = execute = recording_execute = None  # free the engine's weights and KV cache before transformers loads its own
     gc.collect()
@@ -433,7 +506,9 @@ def bench_offline(num_prompts: int, input_len: int, output_len: int, max_num_seq
                 "time_over_roofline_per_step_max": t / roof["roofline_per_step_max_s"]}
     rows = [summary(f"pdserve {num_prompts}x{input_len}->{output_len}", *full, num_prompts),
             summary(f"pdserve {hf_prompts}x{input_len}->{output_len}", *small, hf_prompts),
-            {"case": f"transformers generate {hf_prompts}x{input_len}->{output_len}", **hf}]
+            {"case": f"transformers generate {hf_prompts}x{input_len}->{output_len}", **hf},
+            summary(f"pdserve {num_prompts}x{input_len}->{output_len}, async scheduling off", *full_sync,
+                    num_prompts)]
     rows[2]["time_over_roofline"] = hf["seconds"] / rows[1]["roofline_s"]
     print_rows("offline throughput", rows)
     return {"date": today(), "machine": machine(), "model": MODEL + " (dummy weights, bf16)",
@@ -494,7 +569,9 @@ def bench_transformers(prompts: list[list[int]], output_len: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stages", help="all, or a comma list of kernels,decode,prefill,offline")
+    p.add_argument("stages", help="all, or a comma list of kernels,splits,decode,prefill,engine,offline "
+                                  "(engine: decode steps through the engine, async scheduling on and off; "
+                                  "it runs on the offline stage's engine)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="fewer configs and iterations")
     p.add_argument("--num-prompts", type=int, default=1000)
@@ -505,7 +582,8 @@ def main() -> None:
     p.add_argument("--hf-prompts", type=int, default=64)
     p.add_argument("--tests-log", type=Path, default=None, help="pytest output to quote in the summary")
     args = p.parse_args()
-    stages = {"kernels", "decode", "prefill", "offline"} if args.stages == "all" else set(args.stages.split(","))
+    stages = ({"kernels", "splits", "decode", "prefill", "engine", "offline"} if args.stages == "all"
+              else set(args.stages.split(",")))
     date = today()
     # gpu-summary.json is updated in place: a run of some stages keeps the others' latest figures.
     summary_path = args.out_dir / "gpu-summary.json"
@@ -547,21 +625,34 @@ def main() -> None:
                 summary["prefill_mfu"] = {r["case"]: r["mfu"] for r in result["rows"]}
             stage("prefill", prefill)
     def offline():
-        result = bench_offline(args.num_prompts, args.input_len, args.output_len, args.max_num_seqs,
-                               args.max_num_batched_tokens, args.hf_prompts)
+        engine_decode = {} if "engine" in stages else None
+        try:
+            result = bench_offline(args.num_prompts, args.input_len, args.output_len, args.max_num_seqs,
+                                   args.max_num_batched_tokens, args.hf_prompts, engine_decode, args.quick)
+        finally:
+            if engine_decode:
+                write_json(args.out_dir, f"gpu-engine-decode-{date}.json", engine_decode)
+                rows = engine_decode["rows"]
+                summary["decode_engine_step_over_roofline"] = {
+                    str(r["batch"]): r["async_step_over_roofline"] for r in rows}
+                summary["decode_engine_step_over_roofline_sync"] = {
+                    str(r["batch"]): r["sync_step_over_roofline"] for r in rows}
         write_json(args.out_dir, f"gpu-offline-{date}.json", result)
         summary["offline_time_over_roofline"] = result["rows"][0]["time_over_roofline"]
+        summary["offline_time_over_roofline_sync"] = result["rows"][3]["time_over_roofline"]
         summary["offline_time_over_roofline_per_step_max"] = result["rows"][0]["time_over_roofline_per_step_max"]
         summary["offline_output_tokens_per_s"] = result["rows"][0]["output_tokens_per_s"]
         summary["offline_speedup_vs_transformers"] = result["speedup_vs_transformers_same_prompts"]
 
     if "kernels" in stages:
         stage("kernels", kernels)
+    if "splits" in stages:
+        stage("splits", lambda: write_json(args.out_dir, f"gpu-splits-{date}.json", bench_splits(args.quick)))
     if stages & {"decode", "prefill"}:
         stage("model", model_stages)
         gc.collect()
         torch.cuda.empty_cache()
-    if "offline" in stages:
+    if stages & {"engine", "offline"}:
         stage("offline", offline)
     if args.tests_log is not None and args.tests_log.is_file():
         lines = [ln for ln in args.tests_log.read_text().splitlines() if ln.strip()]

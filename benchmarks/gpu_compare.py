@@ -5,7 +5,9 @@ SLO: TTFT <= 2 s and TPOT <= 30 ms; a configuration's figure is the highest swep
 of requests meet both (and every lower rate did too). Two workloads:
 
   prefill-heavy  input 2,048-8,192 tokens, output 128-512 (uniform), 60 prompts per rate
-  decode-heavy   input 256-1,024, output 512-1,024, 360 prompts per rate (fewer never fill a decode GPU)
+  decode-heavy   input 256-1,024, output 512-1,024, 360 prompts per rate (fewer never fill a decode GPU),
+                 every instance with --max-num-seqs 512 (at 256 a lone decode GPU queues requests long
+                 before its memory or TPOT is the limit)
 The rates are chosen from the first runs (2026-11-29, docs/benchmarks.md) so that each configuration's
 limit falls inside the sweep; the chunked configuration runs once per --chunked-budget.
 
@@ -36,11 +38,12 @@ WORKLOADS = {
     # Without chunked prefill a whole sequence must fit one step's budget (a preempted request is
     # recomputed in one step): 8,192 + 512 tokens need a 9,216-token budget.
     "prefill-heavy": ["--input-len", "5120", "--range-ratio", "0.6", "--output-len", "320",
-                      "--num-prompts", "60", "--request-rates", "4,8,10,12,14",
+                      "--num-prompts", "60", "--request-rates", "6,8,10,12,14",
                       "--max-num-batched-tokens", "9216"],
     "decode-heavy": ["--input-len", "640", "--range-ratio", "0.6", "--output-len", "768",
                      "--output-range-ratio", "0.33333334", "--num-prompts", "360",
-                     "--request-rates", "20,30,40", "--max-num-batched-tokens", "9216"],
+                     "--request-rates", "20,30,40", "--max-num-batched-tokens", "9216",
+                     "--max-num-seqs", "512"],
 }
 
 

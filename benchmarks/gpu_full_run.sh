@@ -17,10 +17,10 @@ else
     a=0 b=1
 fi
 bench=/tmp/gpu-bench && mkdir -p $bench
-CUDA_VISIBLE_DEVICES=$a timeout 100 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee $bench/gpu-tests.log | tail -5
-CUDA_VISIBLE_DEVICES=$a timeout 280 python3 benchmarks/gpu_bench.py decode,prefill,offline --out-dir $bench \
-    --tests-log $bench/gpu-tests.log 2>&1 | tee $bench/gpu-bench.log | grep -v '^ ' | tail -40
-timeout 140 python3 benchmarks/gpu_e2e.py --model llama-3.1-8b --num-requests 64 --input-len 1024 --output-len 128 \
+CUDA_VISIBLE_DEVICES=$a timeout 160 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee $bench/gpu-tests.log | tail -5
+CUDA_VISIBLE_DEVICES=$a timeout 400 python3 benchmarks/gpu_bench.py splits,decode,prefill,engine,offline --out-dir $bench \
+    --tests-log $bench/gpu-tests.log 2>&1 | tee $bench/gpu-bench.log | tail -70
+[ "${SKIP_E2E:-0}" = 1 ] || timeout 140 python3 benchmarks/gpu_e2e.py --model llama-3.1-8b --num-requests 64 --input-len 1024 --output-len 128 \
     --request-rate 8 --kv-connector cuda_ipc --gpus $a,$b --out $bench/gpu-e2e.json --log-dir $bench/e2e-logs \
     2>&1 | tail -40
 tar czf "$OUT/gpu-bench.tar.gz" -C /tmp gpu-bench

@@ -43,6 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="never split a prompt across steps (prompts then cap at the token budget)")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the device runs this one, hiding the engine's "
+                        "host work (default: on for CUDA, off for CPU, where it would gain nothing)")
     g.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes of KV cache on CPU (default 1 GiB)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -127,7 +130,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill),
+                                  enable_chunked_prefill=not args.no_chunked_prefill,
+                                  async_scheduling=args.async_scheduling),
         kv_transfer=kv, num_threads=args.num_threads, cpu_affinity=cores)
 
 

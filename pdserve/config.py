@@ -54,6 +54,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048   # filled from the model by the engine
+    # Schedule step N+1 while the device runs step N. None: on where steps run asynchronously (CUDA).
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:

@@ -10,6 +10,11 @@ if TYPE_CHECKING:
     from pdserve.kv_transfer.base import ConnectorMeta
 
 
+# A token the step before this one samples and has not reported yet (async scheduling): the model
+# runner takes it from that step's sampled ids on the device.
+PLACEHOLDER_TOKEN_ID = -1
+
+
 @dataclass(frozen=True)
 class ScheduledRequest:
     """One request's share of a step: process `token_ids` at positions

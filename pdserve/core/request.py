@@ -59,6 +59,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Async scheduling: scheduled into a step whose outputs have not landed yet (0 otherwise).
+        self.num_inflight_tokens = 0
+        self.num_inflight_samples = 0
         self.num_cached_tokens = 0        # prompt tokens not computed here (prefix cache or remote KV)
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # filled by the KV cache manager as blocks fill

@@ -14,6 +14,14 @@ One step:
   3. update_from_output advances computed tokens, appends sampled tokens, finishes requests, and
      applies the connector's report (finished_sending frees P's held blocks; finished_recving
      promotes D's loaded requests; load errors follow kv_load_failure_policy)
+
+Async scheduling (the engine schedules step N+1 while the device runs step N): a request's tokens in
+a step whose outputs have not landed count as computed (num_inflight_tokens), and the token that step
+samples counts as known (num_inflight_samples) though its id is not: it goes out as
+PLACEHOLDER_TOKEN_ID and the model runner fills it in on the device. A request that will have reached
+max_tokens once its in-flight step lands is not scheduled again; one that stops on a token, a stop
+string or an abort meanwhile had one wasted step, whose result update_from_output drops. With
+nothing in flight (the synchronous engine) all of this reduces to the plain rules above.
 """
 from __future__ import annotations
 
@@ -22,7 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
-from pdserve.core.batch import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdserve.core.batch import (PLACEHOLDER_TOKEN_ID, KVConnectorOutput, ModelRunnerOutput, ScheduledRequest,
+                                SchedulerOutput)
 from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.request import Request, RequestStatus
 from pdserve.kv_transfer.base import KVConnectorScheduler
@@ -57,6 +66,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()            # tell the runner to drop state
         self.num_preemptions = 0
         self._updates: list[RequestUpdate] = []         # finishes decided outside a step
+        # Async scheduling: blocks of requests finished while a step that writes them was in
+        # flight; freed when the next step lands.
+        self._free_after_landing: list[Request] = []
 
     # -- intake ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -106,7 +118,7 @@ class Scheduler:
         # Pending updates and finished ids too: an abort's final output and the runner's cleanup
         # must go out even when nothing else is left to run.
         return bool(self.requests or self.held_for_transfer or self.aborted_while_loading
-                    or self._updates or self._finished_ids)
+                    or self._updates or self._finished_ids or self._free_after_landing)
 
     # -- decide ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -118,8 +130,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
+            if request.num_output_tokens + request.num_inflight_samples >= request.max_tokens:
+                i += 1  # its in-flight step samples its last token
+                continue
+            num_new = min(request.num_tokens + request.num_inflight_samples
+                          - request.num_computed_tokens - request.num_inflight_tokens, budget)
+            while self.kv.allocate_slots(request, request.num_inflight_tokens + num_new) is None:
                 victim = running.pop()  # the newest running request gives way
                 self._preempt(victim)
                 preempted = True
@@ -134,7 +150,7 @@ class Scheduler:
             budget = self._schedule_waiting(scheduled, budget)
 
         out = SchedulerOutput(
-            scheduled=[self._scheduled_request(r, n) for r, n in scheduled],
+            scheduled=[self._schedule_request(r, n) for r, n in scheduled],
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=self._finished_ids,
         )
@@ -215,34 +231,49 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        # Freed at once even with a step in flight: a block reused by a step of this engine runs
+        # after that step on the device, and a step that preempts starts no remote loads.
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_inflight_tokens = request.num_inflight_samples = 0  # their outputs will be dropped
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
+    def _schedule_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens + request.num_inflight_tokens
+        token_ids = request.all_token_ids[start:start + num_new]
+        # Only the token of the step in flight can be unknown, and only as the first of a decode.
+        token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new - len(token_ids))
+        do_sample = start + num_new >= request.num_tokens + request.num_inflight_samples
+        request.num_inflight_tokens += num_new
+        request.num_inflight_samples += do_sample
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
+            token_ids=token_ids,
             num_computed_tokens=start,
             block_ids=self.kv.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
-            do_sample=start + num_new >= request.num_tokens,
-            num_output_tokens=request.num_output_tokens,
+            do_sample=do_sample,
+            num_output_tokens=request.num_output_tokens + request.num_inflight_samples - do_sample,
         )
 
     # -- update ------------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        # The step in flight when these were let go has landed (steps land in order).
+        landed, self._free_after_landing = self._free_after_landing, []
         updates, self._updates = self._updates, []
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
-            if request is None or request.is_finished:
-                continue  # finished between schedule and update (abort, stop string)
+            if request is None or request.status != RequestStatus.RUNNING:
+                # finished between schedule and update (abort, stop string), or preempted while
+                # the step was in flight (async scheduling): the step's work is dropped
+                continue
             request.num_computed_tokens += len(item.token_ids)
+            request.num_inflight_tokens -= len(item.token_ids)
+            request.num_inflight_samples -= item.do_sample
             token_id = runner_output.sampled_token_ids.get(item.request_id)
             if not item.do_sample or token_id is None:
                 continue
@@ -254,6 +285,8 @@ class Scheduler:
                 update.kv_transfer_params = self._finish(request, status, emit=False)
             updates.append(update)
         self._apply_connector_output(runner_output.kv_connector_output)
+        for request in landed:
+            self.kv.free(request)
         updates.extend(self._updates)
         self._updates = []
         return updates
@@ -292,6 +325,10 @@ class Scheduler:
                     request, self.kv.get_block_ids(request.request_id))
             if delay_free:
                 self.held_for_transfer[request.request_id] = request
+            elif request.num_inflight_tokens:
+                # A step in flight still writes these blocks, and a remote load (which does not
+                # wait for that step) must not land in them first.
+                self._free_after_landing.append(request)
             else:
                 self.kv.free(request)
         if emit:

@@ -2,6 +2,12 @@
 
 step(): schedule → execute → update, then turn each request's progress into a RequestOutput
 (incremental text, stop strings, finish reason, kv_transfer_params for P's response).
+
+With async scheduling (on by default on CUDA) a step launches step N+1 before it waits for step N,
+then applies step N: the scheduling, output processing and input building of one step run on the
+host while the device computes the previous one, instead of leaving the device idle between steps.
+Outputs then trail the launches by one step; core/scheduler.py says how the scheduler accounts for
+the step in flight.
 """
 from __future__ import annotations
 
@@ -81,9 +87,16 @@ class EngineCore:
         self.scheduler = Scheduler(sc, kv, connector_scheduler,
                                    config.kv_transfer.kv_load_failure_policy)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.async_scheduling = self.resolve_async_scheduling(sc.async_scheduling, device.type)
+        self._inflight = None  # async scheduling: (SchedulerOutput, StepHandle, start time) launched, not landed
         self.last_step_was_empty = True  # the engine process polls transfers instead of spinning
         self.eos_token_ids = info.eos_token_ids
         self.slow_step_s = _slow_step_seconds()
+
+    @staticmethod
+    def resolve_async_scheduling(asked: bool | None, device_type: str) -> bool:
+        """On CPU the model runs on the host threads that would do the overlapped work: nothing to gain."""
+        return asked if asked is not None else device_type == "cuda"
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -107,15 +120,34 @@ class EngineCore:
         if self.connector_worker is not None:
             self.connector_worker.release_held(request_ids)
 
+    @property
+    def step_in_flight(self) -> bool:
+        return self._inflight is not None
+
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished() or (
+        return self.step_in_flight or self.scheduler.has_unfinished() or (
             self.connector_worker is not None and self.connector_worker.num_pending_requests() > 0)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(out)
+        if not self.async_scheduling and self._inflight is None:
+            return self._land(out, self.runner.execute_model(out), start)
+        handle = self.runner.launch(out)
+        landing, self._inflight = self._inflight, None
+        outputs = []
+        if landing is not None:
+            outputs = self._land(landing[0], self.runner.collect(landing[1]), landing[2])
+        if out.is_empty or not self.async_scheduling:
+            outputs += self._land(out, self.runner.collect(handle), start)  # nothing to overlap with
+        else:
+            self._inflight = (out, handle, start)
+        self.last_step_was_empty = out.is_empty and self._inflight is None
+        return outputs
+
+    def _land(self, out, runner_output, start: float) -> list[RequestOutput]:
+        """Apply a step whose sampled tokens are on the host."""
         updates = self.scheduler.update_from_output(out, runner_output)
         if self.slow_step_s is not None and time.perf_counter() - start > self.slow_step_s:
             self._log_slow_step(out, time.perf_counter() - start)

@@ -29,7 +29,7 @@ class LLM:
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  kv_cache_memory: int | None = None, num_blocks: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True,
+                 enable_chunked_prefill: bool = True, async_scheduling: bool | None = None,
                  kv_transfer_config: KVTransferConfig | None = None,
                  num_threads: int | None = None) -> None:
         config = EngineConfig(
@@ -39,7 +39,8 @@ class LLM:
                               kv_cache_memory=kv_cache_memory),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      async_scheduling=async_scheduling),
             kv_transfer=kv_transfer_config or KVTransferConfig(),
             num_threads=num_threads,
         )
@@ -62,10 +63,11 @@ class LLM:
         return GenerationResult(request_id, ids)
 
     def run(self, results: list[GenerationResult]) -> list[GenerationResult]:
-        """Step the engine until every given request has finished."""
+        """Step the engine until every given request has finished (and no step is left in flight:
+        under async scheduling a step launched for a request that has since stopped still lands)."""
         by_id = {r.request_id: r for r in results}
         pending = set(by_id)
-        while pending:
+        while pending or self.engine.step_in_flight:
             for out in self.engine.step():
                 result = by_id.get(out.request_id)
                 if result is None:

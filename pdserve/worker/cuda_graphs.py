@@ -89,8 +89,10 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)                                  # [size, vocab] fp32
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            seq_lens: list[int], block_tables: torch.Tensor) -> torch.Tensor:
+            seq_lens: list[int], block_tables: torch.Tensor,
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode token per sequence; block_tables: [n, width] int32 on the host (pinned on CUDA).
+        fill: (rows, token ids) on the device, written over input_ids' placeholders at those rows.
         Returns the logits [n, vocab] (a view of the graph's output, valid until the next replay)."""
         num_seqs = len(input_ids)
         size = self.bucket(num_seqs)
@@ -99,6 +101,8 @@ class DecodeGraphs:
                               dtype=torch.long, pin_memory=self.pin_memory)
         lens = torch.tensor(seq_lens + [1] * pad, dtype=torch.int32, pin_memory=self.pin_memory)
         self.token_inputs[:3 * size].copy_(tokens, non_blocking=True)
+        if fill is not None:
+            self.token_inputs[fill[0]] = fill[1]
         self.seq_lens[:size].copy_(lens, non_blocking=True)
         # Columns past width and padded rows keep earlier valid block ids: a padded row (context 1)
         # reads only its column 0, a real row only its own blocks.

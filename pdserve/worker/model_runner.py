@@ -14,7 +14,8 @@ import os
 import torch
 
 from pdserve.config import CacheConfig, ModelConfig
-from pdserve.core.batch import KVConnectorOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdserve.core.batch import (PLACEHOLDER_TOKEN_ID, KVConnectorOutput, ModelRunnerOutput, ScheduledRequest,
+                                SchedulerOutput)
 from pdserve.core.kv_cache_manager import cdiv
 from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.model.attention import AttentionMetadata
@@ -24,6 +25,35 @@ from pdserve.model.sampler import sample
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.cuda_graphs import DecodeGraphs, graph_buckets
 from pdserve.worker.kv_cache import allocate_kv_cache
+
+class StepHandle:
+    """A launched step's sampled token ids: on the device for the next step's placeholders, and on
+    their way to pinned host memory; wait() is the step's one host sync."""
+
+    def __init__(self, request_ids: list[str], tokens: torch.Tensor | None, host: torch.Tensor | None,
+                 ready: "torch.cuda.Event | None") -> None:
+        self.request_ids, self.tokens, self.host, self.ready = request_ids, tokens, host, ready
+        self.row_of = {request_id: row for row, request_id in enumerate(request_ids)}
+
+    @classmethod
+    def start_copy(cls, request_ids: list[str], tokens: torch.Tensor) -> "StepHandle":
+        if tokens.device.type != "cuda":
+            return cls(request_ids, tokens, tokens, None)
+        # A .tolist() later would wait for every step queued after this one; an event on a copy
+        # queued now waits for this step alone.
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(request_ids, tokens, host, ready)
+
+    def wait(self) -> dict[str, int]:
+        if self.host is None:
+            return {}
+        if self.ready is not None:
+            self.ready.synchronize()
+        return dict(zip(self.request_ids, self.host.tolist()))
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,6 +91,7 @@ class ModelRunner:
         self.max_model_len = min(model_config.max_model_len or self.info.max_model_len, self.info.max_model_len)
         self.max_num_seqs = max_num_seqs
         self.decode_graphs: DecodeGraphs | None = None
+        self._previous = StepHandle([], None, None, None)  # the last launched step
         if self.device.type == "cuda" and not enforce_eager:
             self.capture_decode_graphs()
 
@@ -100,15 +131,27 @@ class ModelRunner:
             self._run(SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled)))
         torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled tokens."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> "StepHandle":
+        """Queue the step on the device and return without waiting for it (on CUDA). The engine may
+        schedule and launch the next step before collecting this one: that step's placeholder
+        tokens are this step's samples, taken on the device."""
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
         if self.connector is not None and out.connector_meta is not None:
             self.connector.start_load_kv(out.connector_meta)
-        sampled: dict[str, int] = {}
-        if not out.is_empty:
-            sampled = self._run(out)
+        handle = self._launch(out) if not out.is_empty else StepHandle([], None, None, None)
+        self._previous = handle
+        return handle
+
+    def collect(self, handle: "StepHandle") -> ModelRunnerOutput:
+        """Wait for a launched step's sampled tokens (the one host sync of a step); drive the
+        connector's worker half."""
+        sampled = handle.wait()
         if self.connector is None:
             return ModelRunnerOutput(sampled)
         self.connector.wait_for_save()
@@ -117,6 +160,9 @@ class ModelRunner:
             finished_sending, finished_recving, self.connector.get_block_ids_with_load_errors()))
 
     def _run(self, out: SchedulerOutput) -> dict[str, int]:
+        return self._launch(out).wait()
+
+    def _launch(self, out: SchedulerOutput) -> "StepHandle":
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -125,6 +171,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logits_rows: list[int] = []
+        fill_rows: list[int] = []    # input rows whose token the previous step samples
+        fill_from: list[int] = []    # ... and which of its sampled rows holds it
         # One-token rows (decodes) first: the attention kernel gives them their own launch.
         scheduled = sorted(out.scheduled, key=lambda item: len(item.token_ids) != 1)
         max_blocks = max(len(item.block_ids) for item in scheduled)
@@ -133,6 +181,9 @@ class ModelRunner:
         table_rows = block_tables.numpy()  # [num_seqs, max_blocks], padded with 0
         for row, item in enumerate(scheduled):
             start, n = item.num_computed_tokens, len(item.token_ids)
+            if item.token_ids[0] == PLACEHOLDER_TOKEN_ID:
+                fill_rows.append(len(input_ids))
+                fill_from.append(self._previous.row_of[item.request_id])
             input_ids.extend(item.token_ids)
             span = range(start, start + n)
             positions.extend(span)
@@ -143,13 +194,17 @@ class ModelRunner:
             table_rows[row, :len(item.block_ids)] = item.block_ids
             if item.do_sample:
                 logits_rows.append(query_start_loc[-1] - 1)
+        fill = None
+        if fill_rows:
+            fill = (to_device(fill_rows, torch.long, self.device),
+                    self._previous.tokens[to_device(fill_from, torch.long, self.device)])
 
         sample_items = [item for item in scheduled if item.do_sample]
         graphs = self.decode_graphs
         if (graphs is not None and len(input_ids) == len(scheduled)
                 and graphs.can_run(len(input_ids), max_blocks)):
             # Pure decode: replay the bucket's graph (logits of every row; decodes all sample).
-            logits = graphs.run(input_ids, positions, slot_mapping, seq_lens, block_tables)
+            logits = graphs.run(input_ids, positions, slot_mapping, seq_lens, block_tables, fill)
             if len(sample_items) != len(scheduled):
                 logits = logits[to_device(logits_rows, torch.long, self.device)]
         else:
@@ -159,19 +214,20 @@ class ModelRunner:
                 block_tables=block_tables.to(self.device, non_blocking=True),
                 slot_mapping=to_device(slot_mapping, torch.int64, self.device),
                 query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=bs)
-            hidden = self.model(to_device(input_ids, torch.long, self.device),
-                                to_device(positions, torch.long, self.device),
-                                md, self.kv_cache)
+            ids = to_device(input_ids, torch.long, self.device)
+            if fill is not None:
+                ids[fill[0]] = fill[1]
+            hidden = self.model(ids, to_device(positions, torch.long, self.device), md, self.kv_cache)
             if not logits_rows:
-                return {}
+                return StepHandle([], None, None, None)
             logits = self.model.compute_logits(hidden[to_device(logits_rows, torch.long, self.device)])
         if not sample_items:
-            return {}
+            return StepHandle([], None, None, None)
         sp = [item.sampling_params for item in sample_items]
         # Host lists let the sampler skip work it can see is not needed (an all-greedy batch is one argmax).
-        token_ids = sample(logits, [p.temperature for p in sp], [p.top_p for p in sp],
-                           [p.top_k for p in sp], [self._generator(item) for item in sample_items]).tolist()
-        return {item.request_id: t for item, t in zip(sample_items, token_ids)}
+        tokens = sample(logits, [p.temperature for p in sp], [p.top_p for p in sp],
+                        [p.top_k for p in sp], [self._generator(item) for item in sample_items])
+        return StepHandle.start_copy([item.request_id for item in sample_items], tokens)
 
     def _generator(self, item) -> torch.Generator | None:
         seed = item.sampling_params.seed

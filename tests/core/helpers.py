@@ -3,7 +3,7 @@ the connector's worker half like the real runner does."""
 from __future__ import annotations
 
 from pdserve.config import SchedulerConfig
-from pdserve.core.batch import KVConnectorOutput, ModelRunnerOutput
+from pdserve.core.batch import PLACEHOLDER_TOKEN_ID, KVConnectorOutput, ModelRunnerOutput
 from pdserve.core.kv_cache_manager import KVCacheManager
 from pdserve.core.scheduler import Scheduler
 
@@ -17,6 +17,8 @@ class FakeRunner:
         # One "block" of KV is a list of the positions written into it.
         self.kv_caches = [None] * num_blocks
         self.connector = connector_worker
+        self.last_sampled: dict[str, int] = {}  # the previous step's tokens: placeholders read them
+        self.num_placeholders = 0
         if connector_worker is not None:
             connector_worker.register_kv_caches(self.kv_caches)
 
@@ -26,8 +28,13 @@ class FakeRunner:
         sampled = {}
         for item in out.scheduled:
             pos = item.num_computed_tokens + len(item.token_ids) - 1
+            if PLACEHOLDER_TOKEN_ID in item.token_ids:  # async scheduling: as the real runner, fill it in
+                assert item.token_ids == [PLACEHOLDER_TOKEN_ID], item
+                assert self.last_sampled[item.request_id] == fake_token(pos - 1), item
+                self.num_placeholders += 1
             if item.do_sample:
                 sampled[item.request_id] = fake_token(pos)
+        self.last_sampled = sampled
         conn = KVConnectorOutput()
         if self.connector is not None:
             sending, recving = self.connector.get_finished()
@@ -43,18 +50,38 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_n
     return Scheduler(cfg, kv, connector, kv_load_failure_policy=policy)
 
 
-def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000):
-    """Step until nothing is left; returns {request_id: (tokens, final status)}."""
+# tests/core/conftest.py runs every test twice: with the synchronous loop and with async scheduling.
+ASYNC_SCHEDULING = False
+
+
+def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000,
+                      async_scheduling: bool | None = None):
+    """Step until nothing is left; returns {request_id: (tokens, final status)}. async_scheduling:
+    schedule step N+1 before step N's outputs are applied, as EngineCore does on CUDA."""
+    if async_scheduling is None:
+        async_scheduling = ASYNC_SCHEDULING
     results: dict[str, list] = {}
     statuses = {}
+    inflight = None
     for _ in range(max_steps):
-        if not scheduler.has_unfinished():
+        if not scheduler.has_unfinished() and inflight is None:
             break
         out = scheduler.schedule()
-        for update in scheduler.update_from_output(out, runner.execute(out)):
-            results.setdefault(update.request.request_id, []).extend(update.new_token_ids)
-            if update.finished:
-                statuses[update.request.request_id] = (update.request.status, update.kv_transfer_params)
+        result = runner.execute(out)
+        if async_scheduling:
+            landed = [inflight] if inflight is not None else []
+            inflight = None
+            if out.is_empty:
+                landed.append((out, result))
+            else:
+                inflight = (out, result)
+        else:
+            landed = [(out, result)]
+        for landed_out, landed_result in landed:
+            for update in scheduler.update_from_output(landed_out, landed_result):
+                results.setdefault(update.request.request_id, []).extend(update.new_token_ids)
+                if update.finished:
+                    statuses[update.request.request_id] = (update.request.status, update.kv_transfer_params)
     else:
         raise AssertionError("scheduler did not drain")
     return results, statuses

@@ -57,6 +57,7 @@ def test_decodes_scheduled_before_new_prompts():
     out = s.schedule()
     assert out.scheduled[0].request_id == "a" and len(out.scheduled[0].token_ids) == 1
     assert out.scheduled[1].request_id == "b" and len(out.scheduled[1].token_ids) == 7
+    s.update_from_output(out, runner.execute(out))  # a scheduled step always lands before the next
     run_to_completion(s, runner)
     assert_no_leaks(s)
 
@@ -167,4 +168,81 @@ def test_prefix_cache_counters_count_each_admitted_request_once():
         s.update_from_output(out, runner.execute(out))
     run_to_completion(s, runner)
     assert s.kv.prefix_cache_queries == 16 + 12
+    assert_no_leaks(s)
+
+
+def _mixed_workload(s):
+    # chunked prompts, different lengths, and stop tokens that end requests unpredictably
+    for i in range(6):
+        stop = [fake_token(5 + 7 * i - 1 + 2)] if i % 2 else []  # the third output token
+        s.add_request(req(f"r{i}", 5 + 7 * i, max_tokens=3 + 4 * i, base=20 * i, stop_token_ids=stop))
+
+
+def test_async_scheduling_same_tokens_as_sync_with_placeholders_filled():
+    sync_s, async_s = make_scheduler(max_num_batched_tokens=16), make_scheduler(max_num_batched_tokens=16)
+    _mixed_workload(sync_s)
+    _mixed_workload(async_s)
+    sync_results, sync_statuses = run_to_completion(sync_s, FakeRunner(64), async_scheduling=False)
+    runner = FakeRunner(64)
+    async_results, async_statuses = run_to_completion(async_s, runner, async_scheduling=True)
+    assert async_results == sync_results
+    assert {k: v[0] for k, v in async_statuses.items()} == {k: v[0] for k, v in sync_statuses.items()}
+    assert RequestStatus.FINISHED_STOPPED in {v[0] for v in async_statuses.values()}
+    assert runner.num_placeholders > 0  # decodes were scheduled before their input token was known
+    assert_no_leaks(async_s)
+
+
+def test_async_scheduling_never_schedules_past_max_tokens():
+    s = make_scheduler()
+    s.add_request(req("a", 4, max_tokens=2))
+    out1 = s.schedule()                          # the prompt; samples token 1
+    out2 = s.schedule()                          # step 1 in flight: the decode of token 2
+    assert [len(i.token_ids) for i in out2.scheduled] == [1] and out2.scheduled[0].token_ids == [-1]
+    out3 = s.schedule()                          # token 2 is the last: nothing more to run
+    assert out3.is_empty
+    runner = FakeRunner(64)
+    r1, r2 = runner.execute(out1), runner.execute(out2)
+    assert [u.new_token_ids for u in s.update_from_output(out1, r1)] == [[fake_token(3)]]
+    updates = s.update_from_output(out2, r2)
+    assert updates[0].new_token_ids == [fake_token(4)] and updates[0].finished
+    s.update_from_output(out3, runner.execute(out3))
+    assert_no_leaks(s)
+
+
+def test_async_scheduling_drops_the_step_of_a_request_preempted_while_in_flight():
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    s.add_request(req("a", 8, max_tokens=8))
+    s.add_request(req("b", 8, max_tokens=8, base=50))
+    runner = FakeRunner(4)
+    out1 = s.schedule()                          # both prompts: 4 blocks, all of them
+    r1 = runner.execute(out1)
+    out2 = s.schedule()                          # decodes at position 8 need a third block each: b gives way
+    assert [i.request_id for i in out2.scheduled] == ["a"] and s.num_preemptions == 1
+    r2 = runner.execute(out2)
+    updates = s.update_from_output(out1, r1)     # b's prompt step landed after b was preempted: dropped
+    assert [u.request.request_id for u in updates] == ["a"]
+    s.update_from_output(out2, r2)
+    results, _ = run_to_completion(s, runner, async_scheduling=True)
+    assert [fake_token(7), fake_token(8)] + results["a"] == expected(8, 8)
+    assert results["b"] == expected(8, 8)        # recomputed from scratch, same tokens
+    assert_no_leaks(s)
+
+
+def test_async_scheduling_frees_a_stopped_request_only_after_its_inflight_step_lands():
+    s = make_scheduler()
+    s.add_request(req("a", 4, max_tokens=8, stop_token_ids=[fake_token(3)]))  # stops on its first token
+    runner = FakeRunner(64)
+    out1 = s.schedule()
+    r1 = runner.execute(out1)
+    out2 = s.schedule()                  # a's next decode, already on the device
+    r2 = runner.execute(out2)
+    updates = s.update_from_output(out1, r1)
+    assert updates[0].finished and updates[0].request.status == RequestStatus.FINISHED_STOPPED
+    free_before = s.kv.num_free_blocks
+    assert s.kv.num_blocks_of("a") == 2 and s.has_unfinished()  # step 2 still writes into the second
+    assert s.update_from_output(out2, r2) == []                  # step 2's token is dropped
+    assert s.kv.num_free_blocks == free_before + 2
+    out3 = s.schedule()
+    s.update_from_output(out3, runner.execute(out3))  # the runner forgets a
+    assert out3.finished_request_ids == {"a"} and not s.has_unfinished()
     assert_no_leaks(s)

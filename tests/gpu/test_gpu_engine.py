@@ -145,3 +145,27 @@ def test_serving_new_batch_shapes_after_start_up_compiles_nothing(tiny_paths):
         llm.generate(prompts_of(lengths, seed=len(lengths)), greedy)  # 1..18 sequences, 1..14 blocks wide
     assert _compiled_variants() == before
     llm.shutdown()
+
+
+def test_async_scheduling_gives_the_synchronous_tokens(tiny_paths):
+    """On CUDA the engine schedules step N+1 while step N runs (placeholders filled on the device,
+    through the decode graphs and the eager path alike): same tokens as the synchronous loop."""
+    llm = LLM(tiny_paths["llama"], device="cuda", dtype="float32", block_size=8, num_blocks=256,
+              max_num_batched_tokens=64)
+    assert llm.engine.async_scheduling  # the CUDA default
+    prompts = prompts_of([3, 17, 40, 1, 64, 9, 23, 31, 5, 70], seed=3)
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0) for i in range(6)] + [
+        SamplingParams(max_tokens=30, temperature=0.9, top_p=0.8, seed=11),
+        SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[prompts[7][0]]),
+        SamplingParams(max_tokens=1, temperature=0.0),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)]
+
+    def run():
+        return [r.token_ids for r in llm.run([llm.add(p, sp) for p, sp in zip(prompts, params)])]
+    fills = []
+    graphs_run = llm.engine.runner.decode_graphs.run
+    llm.engine.runner.decode_graphs.run = lambda *a: fills.append(a[5] is not None) or graphs_run(*a)
+    asynchronous = run()
+    assert any(fills), "no graph replay took its input tokens from the step before on the device"
+    llm.engine.async_scheduling = False
+    assert run() == asynchronous

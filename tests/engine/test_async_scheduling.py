@@ -1,0 +1,89 @@
+"""Async scheduling (step N+1 scheduled and launched before step N lands; the default on CUDA) gives
+the same tokens as the synchronous loop, on CPU where the engine can be made to run it."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.llm import LLM
+from pdserve.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "def reverse(s):", "Once upon a time", "1, 2, 3, 4,",
+           "A haiku about the sea:", "The three primary colours are"]
+
+
+def _params():
+    return [SamplingParams(max_tokens=3 + 6 * i, temperature=0.0) for i in range(3)] + [
+        SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7),       # seeded: reproducible
+        SamplingParams(max_tokens=24, temperature=0.0, stop=[" the", "\n"]),      # a stop string
+        SamplingParams(max_tokens=1, temperature=0.0)]                           # done after its prompt
+
+
+def _run(llm, async_scheduling: bool, params=None):
+    llm.engine.async_scheduling = async_scheduling
+    try:
+        results = llm.run([llm.add(p, sp) for p, sp in zip(PROMPTS, params or _params())])
+        return [(r.token_ids, r.text, r.finish_reason) for r in results]
+    finally:
+        llm.engine.async_scheduling = False
+
+
+def test_same_outputs_as_synchronous_loop(default_llm):
+    sync = _run(default_llm, False)
+    placeholders = []
+    launch = default_llm.engine.runner.launch
+
+    def spying_launch(out):
+        placeholders.extend(s.request_id for s in out.scheduled if s.token_ids == [-1])
+        return launch(out)
+    default_llm.engine.runner.launch = spying_launch
+    try:
+        assert _run(default_llm, True) == sync
+    finally:
+        del default_llm.engine.runner.launch
+    assert placeholders  # decodes really were launched before their input token had landed
+    assert not default_llm.engine.step_in_flight
+    kv = default_llm.engine.scheduler.kv
+    assert not kv.req_to_blocks and kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_same_outputs_under_preemption_and_chunked_prefill():
+    llm = LLM("default", num_blocks=8, max_num_batched_tokens=7, enable_prefix_caching=False)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 6  # 18 blocks wanted
+    try:
+        sync = _run(llm, False, params)
+        preemptions = llm.engine.scheduler.num_preemptions
+        assert _run(llm, True, params) == sync
+        assert llm.engine.scheduler.num_preemptions > preemptions > 0
+        assert llm.engine.scheduler.kv.num_free_blocks == 8
+    finally:
+        llm.shutdown()
+
+
+def test_abort_while_a_step_is_in_flight(default_llm):
+    engine = default_llm.engine
+    engine.async_scheduling = True
+    try:
+        engine.add_request("x", [1, 2, 3, 4, 5], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+        engine.step()
+        engine.step()
+        assert engine.step_in_flight
+        engine.abort(["x"])
+        outputs = []
+        while engine.has_work():
+            outputs += engine.step()
+        assert [o.finish_reason.value for o in outputs if o.request_id == "x" and o.finish_reason] == ["abort"]
+        kv = engine.scheduler.kv
+        assert not kv.req_to_blocks and kv.num_free_blocks == kv.pool.num_blocks
+    finally:
+        engine.async_scheduling = False
+
+
+@pytest.mark.parametrize("flag, expected", [(None, False), (True, True), (False, False)])
+def test_default_is_off_on_cpu(flag, expected):
+    from pdserve.cli import build_parser, engine_config_from_args
+    argv = ["serve"] + ({True: ["--async-scheduling"], False: ["--no-async-scheduling"]}.get(flag, []))
+    config = engine_config_from_args(build_parser().parse_args(argv))
+    assert config.scheduler.async_scheduling is flag
+    from pdserve.engine.engine_core import EngineCore
+    assert EngineCore.resolve_async_scheduling(config.scheduler.async_scheduling, "cpu") is expected
+    assert EngineCore.resolve_async_scheduling(None, "cuda") is True
