@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the GPU issue: the GPU tests, gpu_bench (decode, prefill, offline) on one GPU, then
-# the 1P1D end-to-end run on two. With 4 GPUs visible the decode-heavy comparison of issue 5
+# One device call for the GPU issue: gpu_bench (split-K sweep, decode, prefill, engine decode, offline) on
+# one GPU with the GPU tests beside it on the other, then the 1P1D end-to-end run on both (SKIP_E2E=1: not). With 4 GPUs visible the decode-heavy comparison of issue 5
 # (benchmarks/gpu_compare.py) runs beside them on GPUs 0,1 while these use GPUs 2,3.
 #   OUT=/some/dir bash benchmarks/gpu_full_run.sh
 set -u
@@ -17,9 +17,13 @@ else
     a=0 b=1
 fi
 bench=/tmp/gpu-bench && mkdir -p $bench
-CUDA_VISIBLE_DEVICES=$a timeout 160 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee $bench/gpu-tests.log | tail -5
+# The GPU tests run beside the benchmark, on the other GPU (the host has cores to spare for both).
+CUDA_VISIBLE_DEVICES=$b timeout 200 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider > $bench/gpu-tests.log 2>&1 &
+tests=$!
 CUDA_VISIBLE_DEVICES=$a timeout 400 python3 benchmarks/gpu_bench.py splits,decode,prefill,engine,offline --out-dir $bench \
     --tests-log $bench/gpu-tests.log 2>&1 | tee $bench/gpu-bench.log | tail -70
+wait $tests
+tail -5 $bench/gpu-tests.log
 [ "${SKIP_E2E:-0}" = 1 ] || timeout 140 python3 benchmarks/gpu_e2e.py --model llama-3.1-8b --num-requests 64 --input-len 1024 --output-len 128 \
     --request-rate 8 --kv-connector cuda_ipc --gpus $a,$b --out $bench/gpu-e2e.json --log-dir $bench/e2e-logs \
     2>&1 | tail -40
