@@ -270,20 +270,29 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 def bench_splits(quick: bool) -> dict:
     """Split-K factor of the decode kernel at small batches (2,048-token contexts): what a larger
-    MAX_SPLITS would buy. decode_num_splits() picks by batch size; here every factor is forced."""
+    MAX_SPLITS would buy. decode_num_splits() picks by batch size; here every factor is forced. Timed
+    as a CUDA graph of 32 calls (one per layer, as in a decode step): a single call at batch 1 takes
+    ~10 us, less than launching it from Python, so timing calls one by one measures the launches."""
     from pdserve.model import triton_attention as ta
-    import triton.testing
     rows = []
     for n in (1, 4, 16, 64):
         q, kv, md = paged_setup([(1, 2048)] * n)
         chosen = ta.decode_num_splits(n, 8, torch.cuda.get_device_properties(0).multi_processor_count)
         for splits in (1, 4, 8, 16, 32, 64):
-            fn = lambda: ta.paged_attention_triton(q, kv, md.query_start_loc, md.seq_lens,  # noqa: E731
-                                                   md.block_tables, md.block_size, 128 ** -0.5, 1, splits)
-            t = triton.testing.do_bench(fn, warmup=10, rep=20 if quick else 60, return_mode="median") / 1e3
-            rows.append({"batch": n, "splits": splits, "chosen_now": splits == chosen, "us": t * 1e6,
+            def layers():
+                for _ in range(32):
+                    ta.paged_attention_triton(q, kv, md.query_start_loc, md.seq_lens, md.block_tables,
+                                              md.block_size, 128 ** -0.5, 1, splits)
+            layers()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layers()
+            t = gpu_median(graph.replay, 10 if quick else 30) / 32
+            rows.append({"batch": n, "splits": splits, "chosen_now": splits == chosen, "us_per_layer": t * 1e6,
                          "kv_gbps": n * 2048 * 2 * 8 * 128 * 2 / t / 1e9})
-    print_rows("decode attention: split-K factor (one layer, 2,048 context)", rows)
+            del graph
+    print_rows("decode attention: split-K factor (per layer, in a graph of 32 calls, 2,048 context)", rows)
     return {"date": today(), "machine": machine(), "max_splits_now": ta.MAX_SPLITS, "rows": rows}
 
 
@@ -472,12 +481,12 @@ def bench_offline(num_prompts: int, input_len: int, output_len: int, max_num_seq
                                                                        ignore_eos=True))  # warm-up
 
     steps: list[list[tuple[int, int, bool]]] = []  # per step: (num_cached, num_new, do_sample)
-    execute = runner.execute_model
+    launch = runner.launch  # every step goes through launch(), with async scheduling or without
 
-    def recording_execute(out):
+    def recording_launch(out):
         steps.append([(s.num_computed_tokens, len(s.token_ids), s.do_sample) for s in out.scheduled])
-        return execute(out)
-    runner.execute_model = recording_execute
+        return launch(out)
+    runner.launch = recording_launch
 
     def timed(batch, async_scheduling=True):
         llm.engine.async_scheduling = async_scheduling
@@ -493,8 +502,8 @@ def bench_offline(num_prompts: int, input_len: int, output_len: int, max_num_seq
     small = timed(prompts[:hf_prompts])
     full = timed(prompts)
     full_sync = timed(prompts, async_scheduling=False)  # before: the synchronous engine loop
-    del runner.execute_model  # back to the class's method
-    llm = runner = execute = recording_execute = None  # free the engine's weights and KV cache before transformers loads its own
+    del runner.launch  # back to the class's method
+    llm = runner = launch = recording_launch = None  # free the engine's weights and KV cache before transformers loads its own
     gc.collect()
     torch.cuda.empty_cache()
     hf = bench_transformers(prompts[:hf_prompts], output_len)

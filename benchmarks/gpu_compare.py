@@ -60,6 +60,8 @@ def compare_command(workload: str, out_dir: Path, base_port: int, args: argparse
         overrides += ["--num-prompts", args.num_prompts]
     if args.request_rates:
         overrides += ["--request-rates", args.request_rates]
+    if args.configs:
+        overrides += ["--configs", args.configs]
     return [sys.executable, "-m", "pdserve", "bench", "compare", "--device", "cuda", "--num-devices", "2",
             *MODEL, *WORKLOADS[workload], *overrides, *SLO, "--ignore-eos", "--seed", "0",
             "--chunked-budget", str(args.chunked_budget), "--kv-connector", args.kv_connector,
@@ -76,6 +78,7 @@ def main() -> int:
     p.add_argument("--kv-connector", default="cuda_ipc", choices=("cuda_ipc", "nixl"))
     p.add_argument("--num-prompts", default=None, help="override the workload's prompts per rate")
     p.add_argument("--request-rates", default=None, help="override the workload's rates")
+    p.add_argument("--configs", default=None, help="only these configurations (bench compare --configs)")
     args = p.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     gpus = visible_gpus()
