@@ -16,10 +16,19 @@ from pdserve.bench.compare import CONFIG_NAMES
 from pdserve.bench.plots import plot_sweeps
 
 
+def run_names(src: Path) -> list[str]:
+    """The runs of a compare directory in its summary's order (colocated-chunked-<B> once per chunk
+    budget when several were run), or the configuration names when there is no summary."""
+    summary = src / "summary.json"
+    if summary.exists():
+        return [c["config"] for c in json.loads(summary.read_text())["configs"]]
+    return list(CONFIG_NAMES)
+
+
 def main(src: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     sweeps = []
-    for name in CONFIG_NAMES:
+    for name in run_names(src):
         path = src / f"{name}.json"
         if not path.exists():
             continue

@@ -12,6 +12,14 @@ from pathlib import Path
 CONFIGS = ("colocated", "colocated-chunked", "disaggregated")
 
 
+def run_names(directory: Path) -> list[str]:
+    """The runs in the summary's order (colocated-chunked-<B> per chunk budget), else CONFIGS."""
+    summary = directory / "summary.json"
+    if summary.exists():
+        return [c["config"] for c in json.loads(summary.read_text())["configs"]]
+    return list(CONFIGS)
+
+
 def attainment(requests: list[dict], ttft_s: float, tpot_s: float) -> float:
     ok = sum(1 for r in requests if r["success"] and r["ttft"] is not None and r["ttft"] <= ttft_s
              and (r["tpot"] is None or r["tpot"] <= tpot_s))
@@ -39,8 +47,9 @@ def main() -> None:
     p.add_argument("--slo", action="append", default=None, help="TTFT_ms:TPOT_ms (repeatable)")
     args = p.parse_args()
     slos = [tuple(float(x) for x in s.split(":")) for s in args.slo or ["2000:30", "2000:20", "2000:15", "1000:20"]]
-    sweeps = {c: json.loads((Path(args.dir) / f"{c}.json").read_text()) for c in CONFIGS
-              if (Path(args.dir) / f"{c}.json").exists()}
+    directory = Path(args.dir)
+    sweeps = {c: json.loads((directory / f"{c}.json").read_text()) for c in run_names(directory)
+              if (directory / f"{c}.json").exists()}
     print("| SLO (TTFT / TPOT) | " + " | ".join(sweeps) + " |")
     print("| --- |" + " ---: |" * len(sweeps))
     for ttft_ms, tpot_ms in slos:
