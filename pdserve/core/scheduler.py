@@ -83,6 +83,8 @@ class Scheduler:
         request.max_tokens = min(request.max_tokens, capacity - request.num_prompt_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.connector is not None:
+            self.connector.request_added(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -56,7 +56,6 @@ class KVTransferParams:
     tp_size: int = 1
     transfer_id: str | None = None
     num_remote_tokens: int | None = None  # prompt tokens whose KV P computed
-    lease_seconds: float | None = None    # how long P holds the blocks without a heartbeat
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "KVTransferParams | None":
@@ -89,7 +88,7 @@ class KVTransferParams:
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "do_remote_decode": (bool,), "do_remote_prefill": (bool,), "remote_engine_id": (str,),
     "remote_request_id": (str,), "remote_block_ids": (list,), "remote_host": (str,), "remote_port": (int,),
-    "tp_size": (int,), "transfer_id": (str,), "num_remote_tokens": (int,), "lease_seconds": (int, float),
+    "tp_size": (int,), "transfer_id": (str,), "num_remote_tokens": (int,),
 }
 
 
@@ -118,6 +117,10 @@ class KVConnectorScheduler(ABC):
     def request_aborted_while_loading(self, request: "Request") -> None:
         """The request was aborted in WAITING_FOR_REMOTE_KVS: cancel what has not started.
         Its blocks stay allocated until the worker half reports it in finished_recving."""
+
+    def request_added(self, request: "Request") -> None:
+        """The request entered the scheduler's queue. D: the KV it will load is held by P under a
+        lease; keep that alive for as long as the request queues here."""
 
 
 class KVConnectorWorker(ABC):

@@ -13,7 +13,7 @@ from typing import Any
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.base import KVConnectorWorker
-from pdserve.kv_transfer.pull import PullConnectorMeta, RecvSpec
+from pdserve.kv_transfer.pull import KeepAliveSpec, PullConnectorMeta, RecvSpec
 
 _REGISTRY: dict[str, "LoopbackConnectorWorker"] = {}
 
@@ -28,6 +28,7 @@ class LoopbackConnectorWorker(KVConnectorWorker):
         self._lease_blocks: dict[str, int] = {}
         self._notified: set[str] = set()           # P: reads finished before/after the lease began
         self._pending: list[RecvSpec] = []         # D: copy on the next get_finished
+        self._kept_alive: dict[str, KeepAliveSpec] = {}  # D: queued requests whose P lease it extends
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._load_error_msgs: dict[str, str] = {}
@@ -43,8 +44,16 @@ class LoopbackConnectorWorker(KVConnectorWorker):
         for spec in meta.reqs_to_send:
             self._leases[spec.request_id] = now + self.config.lease_seconds
             self._lease_blocks[spec.request_id] = len(spec.block_ids)
+        for keep in meta.reqs_to_keep_alive:
+            self._kept_alive[keep.request_id] = keep
         for spec in meta.reqs_to_recv:
+            self._kept_alive.pop(spec.request_id, None)
             self._pending.append(spec)
+        for request_id in meta.reqs_to_release:
+            keep = self._kept_alive.pop(request_id, None)
+            peer = _REGISTRY.get(keep.remote_engine_id) if keep is not None else None
+            if peer is not None:
+                peer._notified.add(keep.remote_request_id)
         for request_id in meta.reqs_to_cancel:
             for spec in [s for s in self._pending if s.request_id == request_id]:
                 self._pending.remove(spec)
@@ -79,6 +88,11 @@ class LoopbackConnectorWorker(KVConnectorWorker):
         self.stats["kv_transfer_failures_total"] += 1
 
     def get_finished(self) -> tuple[set[str], set[str]]:
+        for keep in self._kept_alive.values():  # the heartbeat, without a network
+            peer = _REGISTRY.get(keep.remote_engine_id)
+            if peer is not None and keep.remote_request_id in peer._leases:
+                peer._leases[keep.remote_request_id] = max(peer._leases[keep.remote_request_id],
+                                                           peer.clock() + peer.config.lease_seconds)
         for spec in self._pending:
             self._copy(spec)
             self._finished_recving.add(spec.request_id)

@@ -11,6 +11,9 @@ Lifecycle of one disaggregated request, as this half sees it:
        done, or when the lease expires (D heartbeats extend it); the scheduler then frees the blocks
 
   on D (consumer), request has kv_transfer_params {"do_remote_prefill": true, ...}:
+    0. request_added: while it queues (D busy, no free blocks) the worker half heartbeats P for it,
+       so P's lease outlives any wait; if it ends without a load (D's prefix cache covers it, or it
+       finishes or is aborted first) the worker half tells P to release the blocks at once
     1. get_num_new_matched_tokens → (prompt tokens beyond D's own prefix-cache hit, load_async=True)
     2. the scheduler allocates blocks for the whole prompt; update_state_after_alloc pairs each
        local block still to fill with P's block at the same index; the request parks in
@@ -25,8 +28,6 @@ Lifecycle of one disaggregated request, as this half sees it:
 """
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,17 +38,22 @@ if TYPE_CHECKING:
     from pdserve.core.request import Request
 
 
-logger = logging.getLogger(__name__)
-
-LEASE_SAFETY = 0.75  # of P's lease a request may wait on D before its load is started
-
-
 @dataclass(frozen=True)
 class RecvSpec:
     """D: fill local_block_ids[i] with the remote engine's remote_block_ids[i]."""
     request_id: str
     local_block_ids: list[int]
     remote_block_ids: list[int]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+
+
+@dataclass(frozen=True)
+class KeepAliveSpec:
+    """D: a request queued here whose KV the remote engine holds for it; heartbeat until its load."""
+    request_id: str
     remote_engine_id: str
     remote_request_id: str
     remote_host: str
@@ -66,15 +72,14 @@ class PullConnectorMeta(ConnectorMeta):
     reqs_to_recv: list[RecvSpec] = field(default_factory=list)
     reqs_to_send: list[SendSpec] = field(default_factory=list)
     reqs_to_cancel: set[str] = field(default_factory=set)
+    reqs_to_keep_alive: list[KeepAliveSpec] = field(default_factory=list)
+    reqs_to_release: set[str] = field(default_factory=set)  # kept alive, will never load: free P's copy
 
 
 class PullConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, host: str, port: int, block_size: int,
-                 is_producer: bool, is_consumer: bool, lease_seconds: float = 30.0,
-                 clock=time.monotonic) -> None:
+                 is_producer: bool, is_consumer: bool) -> None:
         self.engine_id = engine_id
-        self.lease_seconds = lease_seconds
-        self.clock = clock
         self.host = host
         self.port = port
         self.block_size = block_size
@@ -83,6 +88,9 @@ class PullConnectorScheduler(KVConnectorScheduler):
         self._reqs_to_recv: list[RecvSpec] = []
         self._reqs_to_send: list[SendSpec] = []
         self._reqs_to_cancel: set[str] = set()
+        self._reqs_to_keep_alive: list[KeepAliveSpec] = []
+        self._reqs_to_release: set[str] = set()
+        self._kept_alive: set[str] = set()  # queued requests the worker half heartbeats
 
     def _remote_params(self, request: "Request") -> KVTransferParams | None:
         if not self.is_consumer:
@@ -101,18 +109,24 @@ class PullConnectorScheduler(KVConnectorScheduler):
         num_new = num_remote - num_computed_tokens
         # Nothing left to load (D's own prefix cache covers it): compute the rest locally.
         if num_new <= 0:
-            return 0, False
-        # P's lease started before this request reached D, and D sends heartbeats only once a load
-        # is under way: a request that queued here for most of the lease may find P's blocks freed
-        # and reused. Recompute it rather than read them.
-        lease = params.lease_seconds or self.lease_seconds
-        if self.clock() - request.arrival_time > LEASE_SAFETY * lease:
-            logger.warning("request %s waited %.1f s of P's %.0f s lease before its KV load: "
-                           "recomputing its prompt", request.request_id,
-                           self.clock() - request.arrival_time, lease)
-            request.kv_transfer_params = None
+            self._stop_keep_alive(request.request_id)
             return 0, False
         return num_new, True
+
+    def request_added(self, request: "Request") -> None:
+        params = self._remote_params(request)
+        if params is None:
+            return
+        self._kept_alive.add(request.request_id)
+        self._reqs_to_keep_alive.append(KeepAliveSpec(
+            request.request_id, params.remote_engine_id, params.remote_request_id, params.remote_host,
+            int(params.remote_port)))
+
+    def _stop_keep_alive(self, request_id: str) -> None:
+        """The request will not load what P holds for it: P may free it now."""
+        if request_id in self._kept_alive:
+            self._kept_alive.discard(request_id)
+            self._reqs_to_release.add(request_id)
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -130,16 +144,20 @@ class PullConnectorScheduler(KVConnectorScheduler):
             remote_host=params.remote_host,
             remote_port=int(params.remote_port),
         ))
+        self._kept_alive.discard(request.request_id)  # the load's own heartbeats take over
         # Consumed: a preempted request must recompute, not load twice.
         request.kv_transfer_params = None
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PullConnectorMeta:
-        meta = PullConnectorMeta(self._reqs_to_recv, self._reqs_to_send, self._reqs_to_cancel)
+        meta = PullConnectorMeta(self._reqs_to_recv, self._reqs_to_send, self._reqs_to_cancel,
+                                 self._reqs_to_keep_alive, self._reqs_to_release)
         self._reqs_to_recv, self._reqs_to_send, self._reqs_to_cancel = [], [], set()
+        self._reqs_to_keep_alive, self._reqs_to_release = [], set()
         return meta
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._stop_keep_alive(request.request_id)  # D: finished or aborted before its load began
         params = request.kv_transfer_params
         if not (self.is_producer and params and params.get("do_remote_decode")):
             return False, None
@@ -159,7 +177,6 @@ class PullConnectorScheduler(KVConnectorScheduler):
             tp_size=1,
             transfer_id=params.get("transfer_id"),
             num_remote_tokens=request.num_prompt_tokens,
-            lease_seconds=self.lease_seconds,
         ).to_dict()
 
     def request_aborted_while_loading(self, request: "Request") -> None:

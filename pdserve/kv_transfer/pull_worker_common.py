@@ -28,7 +28,10 @@ On D (consumer), per request:
   3. get_finished polls each READ without blocking: DONE → finished_recving (+ bytes, descriptors,
      seconds) and, for transports without their own notification, a "done" to P; ERR →
      finished_recving + its local blocks in get_block_ids_with_load_errors() + get_load_error();
-     heartbeats go out every heartbeat_seconds for requests waiting
+     heartbeats go out every heartbeat_seconds for requests waiting (for the handshake or the READ,
+     and, from reqs_to_keep_alive, for requests still queued in D's scheduler); reqs_to_release:
+     a queued request that will not load (finished, aborted, covered by D's prefix cache) → a
+     release to P
   4. reqs_to_cancel: not posted yet → dropped, release sent to P; in flight → left to finish;
      either way reported in finished_recving exactly once (an id this half never saw: at once)
 
@@ -64,7 +67,7 @@ import torch
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.base import KVConnectorWorker
-from pdserve.kv_transfer.pull import PullConnectorMeta, RecvSpec
+from pdserve.kv_transfer.pull import KeepAliveSpec, PullConnectorMeta, RecvSpec
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +185,7 @@ class PullConnectorWorker(KVConnectorWorker):
         self._early_done: dict[str, float] = {}  # done/release seen before its SendSpec
         # D: request state
         self._recvs: dict[str, _Recv] = {}
+        self._kept_alive: dict[str, KeepAliveSpec] = {}  # queued on this engine, no load yet
         self._queued: dict[str, list[str]] = {}  # remote engine id → request ids awaiting handshake
         self._handshakes: dict[str, Future] = {}
         self._remotes: dict[str, _RemoteEngine] = {}
@@ -250,8 +254,16 @@ class PullConnectorWorker(KVConnectorWorker):
                 self._held[send.request_id] = _Held(list(send.block_ids), now + self.config.lease_seconds)
                 if self._early_done.pop(send.request_id, None) is not None:
                     self._released.add(send.request_id)
+        for keep in meta.reqs_to_keep_alive:
+            self._arm_heartbeat()
+            self._kept_alive[keep.request_id] = keep
         for spec in meta.reqs_to_recv:
+            self._kept_alive.pop(spec.request_id, None)
             self._add_recv(spec)
+        for request_id in meta.reqs_to_release:
+            keep = self._kept_alive.pop(request_id, None)
+            if keep is not None:
+                self._send_release(keep)
         for request_id in meta.reqs_to_cancel:
             self._cancel(request_id)
 
@@ -316,9 +328,12 @@ class PullConnectorWorker(KVConnectorWorker):
 
     # ---- D: receiving -------------------------------------------------------------------------
 
-    def _add_recv(self, spec: RecvSpec) -> None:
-        if not self._recvs:  # first heartbeat one period after the wait starts
+    def _arm_heartbeat(self) -> None:
+        if not self._recvs and not self._kept_alive:  # first heartbeat one period after the wait starts
             self._next_heartbeat = time.monotonic() + self.config.heartbeat_seconds
+
+    def _add_recv(self, spec: RecvSpec) -> None:
+        self._arm_heartbeat()
         self._recvs[spec.request_id] = _Recv(spec)
         remote = self._remotes.get(spec.remote_engine_id)
         if remote is not None:
@@ -469,13 +484,14 @@ class PullConnectorWorker(KVConnectorWorker):
 
     def _maybe_heartbeat(self) -> None:
         now = time.monotonic()
-        if not self._recvs or now < self._next_heartbeat:
+        if not (self._recvs or self._kept_alive) or now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.config.heartbeat_seconds
         by_engine: dict[tuple[str, int], list[str]] = {}
-        for recv in self._recvs.values():  # queued and in flight: P must keep both
-            by_engine.setdefault((recv.spec.remote_host, recv.spec.remote_port), []).append(
-                recv.spec.remote_request_id)
+        # Waiting for blocks here, waiting for a handshake, or reading: P must keep all of them.
+        specs = [*self._kept_alive.values(), *(recv.spec for recv in self._recvs.values())]
+        for spec in specs:
+            by_engine.setdefault((spec.remote_host, spec.remote_port), []).append(spec.remote_request_id)
         for (host, port), request_ids in by_engine.items():
             self._send_async(host, port, {"type": "heartbeat", "engine_id": self.engine_id,
                                           "remote_request_ids": request_ids})
@@ -485,7 +501,7 @@ class PullConnectorWorker(KVConnectorWorker):
         self._send_async(host, port, {"type": "done", "engine_id": self.engine_id,
                                       "remote_request_ids": request_ids})
 
-    def _send_release(self, spec: RecvSpec) -> None:
+    def _send_release(self, spec: RecvSpec | KeepAliveSpec) -> None:
         self._send_async(spec.remote_host, spec.remote_port, {
             "type": "release", "engine_id": self.engine_id, "remote_request_ids": [spec.remote_request_id]})
 

@@ -176,28 +176,54 @@ def test_nothing_left_to_load_computes_locally_instead_of_parking(pd):
     d.s.update_from_output(out, d.runner.execute(out))
     results, _ = d.drain()
     assert len(results["req"]) == 2
-    assert_no_leaks(d.s)  # (P keeps its copy until the lease runs out: nobody reads it)
+    assert_no_leaks(d.s)
+    p.step()
+    assert p.s.num_blocks_held_for_transfer == 0  # D told P nobody will read its copy
+    assert_no_leaks(p.s)
 
 
-def test_request_that_waited_most_of_the_lease_recomputes_instead_of_reading():
-    """P's blocks may already be freed and reused when D starts a load late: D recomputes."""
+def test_request_queued_on_d_longer_than_the_lease_still_loads_from_p():
+    """D heartbeats P for a request that queues in its scheduler (no free blocks yet), not only once
+    its load starts: P keeps the blocks past the lease, and D loads them instead of recomputing."""
     now = [0.0]
-    p = Instance("producer", "P-late", lease_seconds=10)
-    d = Instance("consumer", "D-late", lease_seconds=10)
-    d.conn_s.clock = lambda: now[0]
+    p = Instance("producer", "P-wait", clock=lambda: now[0], lease_seconds=10)
+    d = Instance("consumer", "D-wait", num_blocks=4)
     try:
-        prompt = list(range(60, 73))
+        d.s.add_request(Request("busy", list(range(5)), SamplingParams(max_tokens=10)))  # 4 blocks by the end
+        d.step()
+        prompt = list(range(60, 73))  # 4 blocks: must wait for "busy"
         params = run_p(p, "req", prompt)
-        assert params["lease_seconds"] == 10
-        late = Request("req", prompt, SamplingParams(max_tokens=3), kv_transfer_params=params, arrival_time=0.0)
-        now[0] = 8.0  # 80 % of the lease has gone by while the request queued on D
-        d.s.add_request(late)
+        d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=3), kv_transfer_params=params))
+        while "busy" in d.s.requests:
+            now[0] += 2.0  # 18 s in all: well past P's 10 s lease
+            d.step()
+            p.step()
+            assert p.s.num_blocks_held_for_transfer == 4
         results, _ = d.drain()
         assert results["req"] == [fake_token(12 + i) for i in range(3)]
-        assert d.conn_w.stats["kv_transfer_descriptors_total"] == 0 and late.num_cached_tokens == 0
-        assert_no_leaks(d.s)
+        assert d.conn_w.stats["kv_transfer_descriptors_total"] == 4  # loaded, not recomputed
+        assert p.conn_w.stats["kv_lease_expirations_total"] == 0
+        p.drain()
+        assert_no_leaks(p.s), assert_no_leaks(d.s)
     finally:
         p.close(), d.close()
+
+
+def test_request_aborted_while_queued_on_d_releases_p_at_once(pd):
+    p, d = pd
+    d.s.add_request(Request("busy", list(range(200)), SamplingParams(max_tokens=2)))
+    d.step()
+    prompt = list(range(30))
+    params = run_p(p, "req", prompt)
+    assert p.s.num_blocks_held_for_transfer > 0
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params))
+    d.s.abort_requests(["req"])  # before any step let it load
+    d.step()
+    p.step()
+    assert p.s.num_blocks_held_for_transfer == 0 and p.conn_w.stats["kv_lease_expirations_total"] == 0
+    d.drain(), p.drain()
+    assert d.conn_w.stats["kv_transfer_descriptors_total"] == 0
+    assert_no_leaks(p.s), assert_no_leaks(d.s)
 
 
 def test_request_id_of_an_aborted_load_cannot_be_reused_until_it_ends(pd):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from pdserve.kv_transfer.pull import PullConnectorMeta, SendSpec
+from pdserve.kv_transfer.pull import KeepAliveSpec, PullConnectorMeta, SendSpec
 from pdserve.kv_transfer.pull_worker_common import coalesce
 
 from tests.kv_transfer.helpers import (BLOCK_BYTES, KV_SHAPE, NUM_BLOCKS, assert_idle, nixl_available, poll,
@@ -78,6 +78,26 @@ def test_lease_expires_without_reader(make_worker):
     assert time.monotonic() - start >= 0.3
     assert sending == ["p-req"] and p.get_stats()["kv_lease_expirations_total"] == 1
     assert_idle(p)
+
+
+def test_request_queued_on_d_keeps_p_lease_alive_then_releases_it(make_worker):
+    """D heartbeats for a request still queued in its scheduler (no RecvSpec yet): P's lease outlives
+    the wait; when the request will not load after all, D's release frees P's blocks at once."""
+    p = make_worker("producer", lease_seconds=0.4)
+    d = make_worker("consumer", heartbeat_seconds=0.1)
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [1, 2])]))
+    keep = KeepAliveSpec("d-req", p.engine_id, "p-req", "127.0.0.1", p.side_channel_port)
+    d.start_load_kv(PullConnectorMeta(reqs_to_keep_alive=[keep]))
+    start = time.monotonic()
+    while time.monotonic() - start < 1.2:  # three leases long
+        sending, _ = p.get_finished()
+        assert not sending, "P's lease expired while D kept the request alive"
+        d.get_finished()
+        time.sleep(0.01)
+    d.start_load_kv(PullConnectorMeta(reqs_to_release={"d-req"}))
+    sending, _ = poll([p, d], lambda s, r: "p-req" in s, timeout=0.35)  # before a lease could run out
+    assert sending == ["p-req"] and p.get_stats()["kv_lease_expirations_total"] == 0
+    assert_idle(p, d)
 
 
 @pytest.mark.parametrize("mode, invalid", [("all", {1, 2, 7}), ("last_block", {7})])
