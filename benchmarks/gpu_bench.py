@@ -446,6 +446,10 @@ def bench_engine_decode(llm, quick: bool, context: int = 2048) -> dict:
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
+            # With async scheduling the last step is still running here, and the first one timed
+            # landed a step that ran before the clock started: wait for it, so the window holds
+            # the GPU time of exactly `steps` steps.
+            torch.cuda.synchronize()
             elapsed = (time.perf_counter() - start) / steps
             assert all(not r.is_finished for r in requests)
             roofline = shape.decode_bytes([c + steps // 2 for c in contexts]) / HBM_BYTES_PER_S
