@@ -11,7 +11,9 @@ if TYPE_CHECKING:
 
 
 # A token the step before this one samples and has not reported yet (async scheduling): the model
-# runner takes it from that step's sampled ids on the device.
+# runner takes it from that step's sampled ids on the device. Not a "none" value: an id no vocabulary
+# has, so a placeholder that reached the model unfilled would fail the embedding lookup, not pass
+# for a real token.
 PLACEHOLDER_TOKEN_ID = -1
 
 

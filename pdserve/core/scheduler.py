@@ -73,7 +73,8 @@ class Scheduler:
     # -- intake ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if (request.request_id in self.requests or request.request_id in self.held_for_transfer
-                or request.request_id in self.aborted_while_loading):
+                or request.request_id in self.aborted_while_loading
+                or any(r.request_id == request.request_id for r in self._free_after_landing)):
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         capacity = self.kv.pool.num_blocks * self.block_size
         if request.num_prompt_tokens >= capacity:

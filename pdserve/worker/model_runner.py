@@ -2,8 +2,10 @@
 
 Each step builds the flattened batch (no padding) as Python lists, moves it to the device with
 pinned, non-blocking copies, runs the model, samples the rows that asked for a token, and makes one
-host sync (`.tolist()`). On CUDA a pure-decode step replays a captured graph instead (worker/
-cuda_graphs.py; off with enforce_eager or PDSERVE_ENFORCE_EAGER=1). Around the forward pass it drives
+host sync (an event recorded after sampling). launch() and collect() split a step at that sync so
+that the engine can launch the next step first (async scheduling, engine/engine_core.py). On CUDA a
+pure-decode step replays a captured graph instead (worker/cuda_graphs.py; off with enforce_eager or
+PDSERVE_ENFORCE_EAGER=1). Around the forward pass it drives
 the connector's worker half; it does so on every step, also when nothing is scheduled, so KV transfers
 advance while all requests wait for them.
 """
@@ -27,32 +29,40 @@ from pdserve.worker.cuda_graphs import DecodeGraphs, graph_buckets
 from pdserve.worker.kv_cache import allocate_kv_cache
 
 class StepHandle:
-    """A launched step's sampled token ids: on the device for the next step's placeholders, and on
-    their way to pinned host memory; wait() is the step's one host sync."""
+    """A launched step: its sampled token ids, on the device for the next step's placeholders and on
+    their way to pinned host memory, and an event after its last kernel. wait() is the step's one
+    host sync. It waits for the event even when nothing was sampled (a prompt chunk): the scheduler
+    frees a finished request's blocks when its step lands, and a remote load (not ordered with this
+    engine's stream) may be given them next."""
 
     def __init__(self, request_ids: list[str], tokens: torch.Tensor | None, host: torch.Tensor | None,
-                 ready: "torch.cuda.Event | None") -> None:
+                 ready: torch.cuda.Event | None) -> None:
         self.request_ids, self.tokens, self.host, self.ready = request_ids, tokens, host, ready
         self.row_of = {request_id: row for row, request_id in enumerate(request_ids)}
 
     @classmethod
-    def start_copy(cls, request_ids: list[str], tokens: torch.Tensor) -> "StepHandle":
-        if tokens.device.type != "cuda":
+    def launched(cls, request_ids: list[str], tokens: torch.Tensor | None, device: torch.device) -> StepHandle:
+        if device.type != "cuda":  # CPU ops ran already
             return cls(request_ids, tokens, tokens, None)
-        # A .tolist() later would wait for every step queued after this one; an event on a copy
-        # queued now waits for this step alone.
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+        host = None
+        if tokens is not None:
+            # A .tolist() later would wait for every step queued after this one; the event waits
+            # for this step alone.
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return cls(request_ids, tokens, host, ready)
 
     def wait(self) -> dict[str, int]:
-        if self.host is None:
-            return {}
         if self.ready is not None:
             self.ready.synchronize()
+        if self.host is None:
+            return {}
         return dict(zip(self.request_ids, self.host.tolist()))
+
+
+NOTHING_LAUNCHED = StepHandle([], None, None, None)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,7 +101,7 @@ class ModelRunner:
         self.max_model_len = min(model_config.max_model_len or self.info.max_model_len, self.info.max_model_len)
         self.max_num_seqs = max_num_seqs
         self.decode_graphs: DecodeGraphs | None = None
-        self._previous = StepHandle([], None, None, None)  # the last launched step
+        self._previous = NOTHING_LAUNCHED  # the last launched step
         if self.device.type == "cuda" and not enforce_eager:
             self.capture_decode_graphs()
 
@@ -136,7 +146,7 @@ class ModelRunner:
         return self.collect(self.launch(out))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> "StepHandle":
+    def launch(self, out: SchedulerOutput) -> StepHandle:
         """Queue the step on the device and return without waiting for it (on CUDA). The engine may
         schedule and launch the next step before collecting this one: that step's placeholder
         tokens are this step's samples, taken on the device."""
@@ -144,11 +154,11 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         if self.connector is not None and out.connector_meta is not None:
             self.connector.start_load_kv(out.connector_meta)
-        handle = self._launch(out) if not out.is_empty else StepHandle([], None, None, None)
+        handle = self._launch(out) if not out.is_empty else NOTHING_LAUNCHED
         self._previous = handle
         return handle
 
-    def collect(self, handle: "StepHandle") -> ModelRunnerOutput:
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step's sampled tokens (the one host sync of a step); drive the
         connector's worker half."""
         sampled = handle.wait()
@@ -162,7 +172,7 @@ class ModelRunner:
     def _run(self, out: SchedulerOutput) -> dict[str, int]:
         return self._launch(out).wait()
 
-    def _launch(self, out: SchedulerOutput) -> "StepHandle":
+    def _launch(self, out: SchedulerOutput) -> StepHandle:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -219,15 +229,15 @@ class ModelRunner:
                 ids[fill[0]] = fill[1]
             hidden = self.model(ids, to_device(positions, torch.long, self.device), md, self.kv_cache)
             if not logits_rows:
-                return StepHandle([], None, None, None)
+                return StepHandle.launched([], None, self.device)
             logits = self.model.compute_logits(hidden[to_device(logits_rows, torch.long, self.device)])
         if not sample_items:
-            return StepHandle([], None, None, None)
+            return StepHandle.launched([], None, self.device)
         sp = [item.sampling_params for item in sample_items]
         # Host lists let the sampler skip work it can see is not needed (an all-greedy batch is one argmax).
         tokens = sample(logits, [p.temperature for p in sp], [p.top_p for p in sp],
                         [p.top_k for p in sp], [self._generator(item) for item in sample_items])
-        return StepHandle.start_copy([item.request_id for item in sample_items], tokens)
+        return StepHandle.launched([item.request_id for item in sample_items], tokens, self.device)
 
     def _generator(self, item) -> torch.Generator | None:
         seed = item.sampling_params.seed

@@ -1,3 +1,5 @@
+import pytest
+
 from pdserve.core.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 
@@ -245,4 +247,25 @@ def test_async_scheduling_frees_a_stopped_request_only_after_its_inflight_step_l
     out3 = s.schedule()
     s.update_from_output(out3, runner.execute(out3))  # the runner forgets a
     assert out3.finished_request_ids == {"a"} and not s.has_unfinished()
+    assert_no_leaks(s)
+
+
+def test_request_id_of_a_request_freed_after_landing_cannot_be_reused_until_it_lands():
+    """Blocks are keyed by request id: a new request under the id of one whose blocks still wait for
+    its in-flight step would take them over (and that step's token)."""
+    s = make_scheduler()
+    s.add_request(req("a", 4, max_tokens=8))
+    runner = FakeRunner(64)
+    out1 = s.schedule()
+    r1 = runner.execute(out1)
+    out2 = s.schedule()                      # a's decode in flight
+    r2 = runner.execute(out2)
+    s.update_from_output(out1, r1)
+    s.abort_requests(["a"])                  # freed only when step 2 lands
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(req("a", 4, max_tokens=8))
+    s.update_from_output(out2, r2)
+    s.add_request(req("a", 4, max_tokens=3))  # now it may
+    results, _ = run_to_completion(s, runner)
+    assert results["a"] == expected(4, 3)
     assert_no_leaks(s)

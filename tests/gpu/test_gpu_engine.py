@@ -169,3 +169,16 @@ def test_async_scheduling_gives_the_synchronous_tokens(tiny_paths):
     assert any(fills), "no graph replay took its input tokens from the step before on the device"
     llm.engine.async_scheduling = False
     assert run() == asynchronous
+
+
+def test_a_step_that_samples_nothing_is_still_waited_for(tiny_paths):
+    """A prompt chunk samples no token, but landing its step must still wait for its kernels: the
+    scheduler frees blocks when a step lands, and a remote load may be given them next."""
+    from pdserve.core.batch import ScheduledRequest, SchedulerOutput
+    llm = LLM(tiny_paths["llama"], device="cuda", dtype="float32", block_size=8, num_blocks=64)
+    runner = llm.engine.runner
+    chunk = ScheduledRequest("chunk", list(range(40)), 0, list(range(5)), SamplingParams(), do_sample=False)
+    handle = runner.launch(SchedulerOutput([chunk], 40))
+    assert handle.ready is not None and not handle.request_ids
+    assert runner.collect(handle).sampled_token_ids == {}
+    assert handle.ready.query()
