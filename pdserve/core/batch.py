@@ -35,6 +35,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     finished_request_ids: set[str] = field(default_factory=set)  # runner may drop per-request state
+    # Async scheduling: preempted while a step that samples for them was in flight. That sample is
+    # dropped, so a seeded request's generator must take the same draw again.
+    dropped_sample_ids: set[str] = field(default_factory=set)
     connector_meta: "ConnectorMeta | None" = None
 
     @property

@@ -64,6 +64,7 @@ class Scheduler:
         self.held_for_transfer: dict[str, Request] = {}  # P: finished, blocks kept for a reader
         self.aborted_while_loading: dict[str, Request] = {}  # blocks kept until the load ends
         self._finished_ids: set[str] = set()            # tell the runner to drop state
+        self._dropped_sample_ids: set[str] = set()      # tell the runner to rewind generators
         self.num_preemptions = 0
         self._updates: list[RequestUpdate] = []         # finishes decided outside a step
         # Async scheduling: blocks of requests finished while a step that writes them was in
@@ -139,7 +140,7 @@ class Scheduler:
             num_new = min(request.num_tokens + request.num_inflight_samples
                           - request.num_computed_tokens - request.num_inflight_tokens, budget)
             while self.kv.allocate_slots(request, request.num_inflight_tokens + num_new) is None:
-                victim = running.pop()  # the newest running request gives way
+                victim = self._pick_victim(running, i)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -156,8 +157,9 @@ class Scheduler:
             scheduled=[self._schedule_request(r, n) for r, n in scheduled],
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=self._finished_ids,
+            dropped_sample_ids=self._dropped_sample_ids,
         )
-        self._finished_ids = set()
+        self._finished_ids, self._dropped_sample_ids = set(), set()
         if self.connector is not None:
             out = dataclasses.replace(out, connector_meta=self.connector.build_connector_meta(out))
         return out
@@ -232,6 +234,17 @@ class Scheduler:
         request.num_cached_tokens = request.num_computed_tokens
         self.kv.cache_blocks(request, request.num_computed_tokens)
 
+    @staticmethod
+    def _pick_victim(running: list[Request], i: int) -> Request:
+        """The newest running request after running[i] gives way, but not one whose last token is
+        already in flight (async scheduling): its blocks free themselves when that step lands,
+        and preempting it would throw away all its KV to recompute one token."""
+        for j in range(len(running) - 1, i, -1):
+            other = running[j]
+            if other.num_output_tokens + other.num_inflight_samples < other.max_tokens:
+                return running.pop(j)
+        return running.pop()
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         # Freed at once even with a step in flight: a block reused by a step of this engine runs
@@ -239,6 +252,8 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if request.num_inflight_samples:
+            self._dropped_sample_ids.add(request.request_id)
         request.num_inflight_tokens = request.num_inflight_samples = 0  # their outputs will be dropped
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -94,6 +94,7 @@ class ModelRunner:
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
         self.generators: dict[str, torch.Generator] = {}
+        self._generator_states: dict[str, torch.Tensor] = {}  # before each seeded request's last draw
         if enforce_eager is None:
             enforce_eager = os.environ.get("PDSERVE_ENFORCE_EAGER", "0") == "1"
         self.pin_memory = self.device.type == "cuda"
@@ -152,6 +153,11 @@ class ModelRunner:
         tokens are this step's samples, taken on the device."""
         for request_id in out.finished_request_ids:
             self.generators.pop(request_id, None)
+            self._generator_states.pop(request_id, None)
+        for request_id in out.dropped_sample_ids:
+            state = self._generator_states.get(request_id)
+            if state is not None:
+                self.generators[request_id].set_state(state)
         if self.connector is not None and out.connector_meta is not None:
             self.connector.start_load_kv(out.connector_meta)
         handle = self._launch(out) if not out.is_empty else NOTHING_LAUNCHED
@@ -248,4 +254,5 @@ class ModelRunner:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed)
             self.generators[item.request_id] = gen
+        self._generator_states[item.request_id] = gen.get_state()  # host-side (seed, offset) on CUDA
         return gen

@@ -269,3 +269,23 @@ def test_request_id_of_a_request_freed_after_landing_cannot_be_reused_until_it_l
     results, _ = run_to_completion(s, runner)
     assert results["a"] == expected(4, 3)
     assert_no_leaks(s)
+
+
+def test_async_scheduling_does_not_preempt_a_request_whose_last_token_is_in_flight():
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    s.add_request(req("a", 8, max_tokens=8))            # needs a third block at position 8
+    s.add_request(req("b", 8, max_tokens=8, base=50))
+    s.add_request(req("c", 7, max_tokens=1, base=80))   # the newest; its only token is sampled by step 1
+    runner = FakeRunner(6)
+    out1 = s.schedule()                                  # all 6 blocks in use
+    r1 = runner.execute(out1)
+    out2 = s.schedule()                                  # a's and b's decodes need blocks: someone gives way
+    assert "c" not in {i.request_id for i in out2.scheduled}
+    assert s.requests["c"].status == RequestStatus.RUNNING  # not preempted: it finishes when step 1 lands
+    assert s.requests["b"].status == RequestStatus.PREEMPTED and out2.dropped_sample_ids == {"b"}
+    finished = {u.request.request_id: u.request.status for u in s.update_from_output(out1, r1) if u.finished}
+    assert finished == {"c": RequestStatus.FINISHED_LENGTH_CAPPED}
+    s.update_from_output(out2, runner.execute(out2))
+    results, _ = run_to_completion(s, runner)
+    assert results["b"] == expected(8, 8)
+    assert_no_leaks(s)

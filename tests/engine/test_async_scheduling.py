@@ -46,9 +46,13 @@ def test_same_outputs_as_synchronous_loop(default_llm):
     assert not kv.req_to_blocks and kv.num_free_blocks == kv.pool.num_blocks
 
 
-def test_same_outputs_under_preemption_and_chunked_prefill():
+@pytest.mark.parametrize("seeded", [False, True])
+def test_same_outputs_under_preemption_and_chunked_prefill(seeded):
+    """Seeded: a request preempted while its sample is in flight has that sample dropped, and its
+    generator must rewind the draw, or the recomputed token comes from the next one."""
     llm = LLM("default", num_blocks=8, max_num_batched_tokens=7, enable_prefix_caching=False)
-    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 6  # 18 blocks wanted
+    params = [SamplingParams(max_tokens=40, temperature=0.8 if seeded else 0.0, seed=i if seeded else None,
+                             ignore_eos=True) for i in range(6)]  # 18 blocks wanted
     try:
         sync = _run(llm, False, params)
         preemptions = llm.engine.scheduler.num_preemptions
