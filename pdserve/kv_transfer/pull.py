@@ -73,7 +73,9 @@ class PullConnectorMeta(ConnectorMeta):
     reqs_to_send: list[SendSpec] = field(default_factory=list)
     reqs_to_cancel: set[str] = field(default_factory=set)
     reqs_to_keep_alive: list[KeepAliveSpec] = field(default_factory=list)
-    reqs_to_release: set[str] = field(default_factory=set)  # kept alive, will never load: free P's copy
+    # Kept alive, will never load: free P's copy. The spec itself, not the request id: the id may
+    # already name a new request (with its own remote KV) in the same meta.
+    reqs_to_release: list[KeepAliveSpec] = field(default_factory=list)
 
 
 class PullConnectorScheduler(KVConnectorScheduler):
@@ -89,8 +91,8 @@ class PullConnectorScheduler(KVConnectorScheduler):
         self._reqs_to_send: list[SendSpec] = []
         self._reqs_to_cancel: set[str] = set()
         self._reqs_to_keep_alive: list[KeepAliveSpec] = []
-        self._reqs_to_release: set[str] = set()
-        self._kept_alive: set[str] = set()  # queued requests the worker half heartbeats
+        self._reqs_to_release: list[KeepAliveSpec] = []
+        self._kept_alive: dict[str, KeepAliveSpec] = {}  # queued requests the worker half heartbeats
 
     def _remote_params(self, request: "Request") -> KVTransferParams | None:
         if not self.is_consumer:
@@ -110,6 +112,7 @@ class PullConnectorScheduler(KVConnectorScheduler):
         # Nothing left to load (D's own prefix cache covers it): compute the rest locally.
         if num_new <= 0:
             self._stop_keep_alive(request.request_id)
+            request.kv_transfer_params = None  # released: never load it later (after an eviction)
             return 0, False
         return num_new, True
 
@@ -117,16 +120,16 @@ class PullConnectorScheduler(KVConnectorScheduler):
         params = self._remote_params(request)
         if params is None:
             return
-        self._kept_alive.add(request.request_id)
-        self._reqs_to_keep_alive.append(KeepAliveSpec(
-            request.request_id, params.remote_engine_id, params.remote_request_id, params.remote_host,
-            int(params.remote_port)))
+        keep = KeepAliveSpec(request.request_id, params.remote_engine_id, params.remote_request_id,
+                             params.remote_host, int(params.remote_port))
+        self._kept_alive[request.request_id] = keep
+        self._reqs_to_keep_alive.append(keep)
 
     def _stop_keep_alive(self, request_id: str) -> None:
         """The request will not load what P holds for it: P may free it now."""
-        if request_id in self._kept_alive:
-            self._kept_alive.discard(request_id)
-            self._reqs_to_release.add(request_id)
+        keep = self._kept_alive.pop(request_id, None)
+        if keep is not None:
+            self._reqs_to_release.append(keep)
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -144,7 +147,7 @@ class PullConnectorScheduler(KVConnectorScheduler):
             remote_host=params.remote_host,
             remote_port=int(params.remote_port),
         ))
-        self._kept_alive.discard(request.request_id)  # the load's own heartbeats take over
+        self._kept_alive.pop(request.request_id, None)  # the load's own heartbeats take over
         # Consumed: a preempted request must recompute, not load twice.
         request.kv_transfer_params = None
 
@@ -152,7 +155,7 @@ class PullConnectorScheduler(KVConnectorScheduler):
         meta = PullConnectorMeta(self._reqs_to_recv, self._reqs_to_send, self._reqs_to_cancel,
                                  self._reqs_to_keep_alive, self._reqs_to_release)
         self._reqs_to_recv, self._reqs_to_send, self._reqs_to_cancel = [], [], set()
-        self._reqs_to_keep_alive, self._reqs_to_release = [], set()
+        self._reqs_to_keep_alive, self._reqs_to_release = [], []
         return meta
 
     def request_finished(self, request: "Request",

@@ -254,16 +254,17 @@ class PullConnectorWorker(KVConnectorWorker):
                 self._held[send.request_id] = _Held(list(send.block_ids), now + self.config.lease_seconds)
                 if self._early_done.pop(send.request_id, None) is not None:
                     self._released.add(send.request_id)
+        # Releases first: one may end an earlier request under an id a keep-alive below reuses.
+        for keep in meta.reqs_to_release:
+            if self._kept_alive.get(keep.request_id) == keep:
+                del self._kept_alive[keep.request_id]
+            self._send_release(keep)
         for keep in meta.reqs_to_keep_alive:
             self._arm_heartbeat()
             self._kept_alive[keep.request_id] = keep
         for spec in meta.reqs_to_recv:
             self._kept_alive.pop(spec.request_id, None)
             self._add_recv(spec)
-        for request_id in meta.reqs_to_release:
-            keep = self._kept_alive.pop(request_id, None)
-            if keep is not None:
-                self._send_release(keep)
         for request_id in meta.reqs_to_cancel:
             self._cancel(request_id)
 

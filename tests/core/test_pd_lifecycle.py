@@ -239,3 +239,26 @@ def test_request_id_of_an_aborted_load_cannot_be_reused_until_it_ends(pd):
     d.drain()
     p.drain()
     assert_no_leaks(d.s), assert_no_leaks(p.s)
+
+
+def test_reused_d_request_id_releases_the_old_p_copy_not_the_new_one(pd):
+    """A queued D request is aborted and its id reused at once for another request with KV on P:
+    the release must free the first P copy, never the one the new request is about to read."""
+    p, d = pd
+    d.s.add_request(Request("busy", list(range(200)), SamplingParams(max_tokens=2)))
+    d.step()
+    first = run_p(p, "p1", list(range(30)))
+    prompt = list(range(40, 70))
+    second = run_p(p, "p2", prompt)
+    d.s.add_request(Request("x", list(range(30)), SamplingParams(max_tokens=4), kv_transfer_params=first))
+    d.s.abort_requests(["x"])
+    d.s.add_request(Request("x", prompt, SamplingParams(max_tokens=3), kv_transfer_params=second))
+    d.step()
+    p.step()
+    assert "p1" not in p.s.held_for_transfer and "p2" in p.s.held_for_transfer
+    results, _ = d.drain()
+    assert results["x"] == [fake_token(29 + i) for i in range(3)]
+    assert d.conn_w.stats["kv_transfer_descriptors_total"] == 8  # p2's 8 blocks, read while held
+    p.drain()
+    assert p.conn_w.stats["kv_lease_expirations_total"] == 0
+    assert_no_leaks(p.s), assert_no_leaks(d.s)

@@ -94,9 +94,26 @@ def test_request_queued_on_d_keeps_p_lease_alive_then_releases_it(make_worker):
         assert not sending, "P's lease expired while D kept the request alive"
         d.get_finished()
         time.sleep(0.01)
-    d.start_load_kv(PullConnectorMeta(reqs_to_release={"d-req"}))
+    d.start_load_kv(PullConnectorMeta(reqs_to_release=[keep]))
     sending, _ = poll([p, d], lambda s, r: "p-req" in s, timeout=0.35)  # before a lease could run out
     assert sending == ["p-req"] and p.get_stats()["kv_lease_expirations_total"] == 0
+    assert_idle(p, d)
+
+
+def test_release_of_a_reused_request_id_frees_only_the_old_copy(make_worker):
+    p = make_worker("producer", lease_seconds=30)
+    d = make_worker("consumer")
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p1", [1]), SendSpec("p2", [2])]))
+    old = KeepAliveSpec("x", p.engine_id, "p1", "127.0.0.1", p.side_channel_port)
+    new = KeepAliveSpec("x", p.engine_id, "p2", "127.0.0.1", p.side_channel_port)
+    d.start_load_kv(PullConnectorMeta(reqs_to_keep_alive=[old]))
+    d.start_load_kv(PullConnectorMeta(reqs_to_keep_alive=[new], reqs_to_release=[old]))  # one step
+    sending, _ = poll([p, d], lambda s, r: "p1" in s)
+    time.sleep(0.1)
+    sending += list(p.get_finished()[0])
+    assert sending == ["p1"]  # p2, which the new "x" will read, is still held
+    d.start_load_kv(PullConnectorMeta(reqs_to_release=[new]))
+    poll([p, d], lambda s, r: "p2" in s)
     assert_idle(p, d)
 
 
