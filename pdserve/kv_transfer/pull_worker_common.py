@@ -178,11 +178,12 @@ class PullConnectorWorker(KVConnectorWorker):
         self._kv_cache: torch.Tensor | None = None
         self._handshake_fields: dict[str, Any] = {}
         self._handshake_blob = b""
-        self._lock = threading.Lock()  # guards _held, _released, _early_done (side-channel thread)
+        self._lock = threading.Lock()  # guards _held, _released, _early_done, _expired, _lost (other threads)
         # P: lease state
         self._held: dict[str, _Held] = {}
         self._released: set[str] = set()
         self._early_done: dict[str, float] = {}  # done/release seen before its SendSpec
+        self._expired: dict[str, float] = {}     # leases that ran out, for heartbeat replies: when
         # D: request state
         self._recvs: dict[str, _Recv] = {}
         self._kept_alive: dict[str, KeepAliveSpec] = {}  # queued on this engine, no load yet
@@ -193,6 +194,8 @@ class PullConnectorWorker(KVConnectorWorker):
         self._done_to_send: dict[tuple[str, str, int], list[str]] = {}  # (P, host, port) → P's request ids
         self._error_blocks: set[int] = set()
         self._load_errors: dict[str, tuple[str, float]] = {}  # request id → (error, when)
+        # (P host, port, P's request id) whose lease P reports expired (client pool thread; the lock)
+        self._lost: set[tuple[str, int, str]] = set()
         self._next_heartbeat = 0.0
         self._is_shut_down = False
         # stats
@@ -254,17 +257,23 @@ class PullConnectorWorker(KVConnectorWorker):
                 self._held[send.request_id] = _Held(list(send.block_ids), now + self.config.lease_seconds)
                 if self._early_done.pop(send.request_id, None) is not None:
                     self._released.add(send.request_id)
+        was_waiting = bool(self._recvs or self._kept_alive)
         # Releases first: one may end an earlier request under an id a keep-alive below reuses.
         for keep in meta.reqs_to_release:
             if self._kept_alive.get(keep.request_id) == keep:
                 del self._kept_alive[keep.request_id]
             self._send_release(keep)
+            with self._lock:
+                self._lost.discard((keep.remote_host, keep.remote_port, keep.remote_request_id))
         for keep in meta.reqs_to_keep_alive:
-            self._arm_heartbeat()
             self._kept_alive[keep.request_id] = keep
         for spec in meta.reqs_to_recv:
             self._kept_alive.pop(spec.request_id, None)
             self._add_recv(spec)
+        if not was_waiting and (self._recvs or self._kept_alive):
+            # The first heartbeat one period after the wait starts; a keep-alive handing over to
+            # its READ in between does not restart the period.
+            self._next_heartbeat = now + self.config.heartbeat_seconds
         for request_id in meta.reqs_to_cancel:
             self._cancel(request_id)
 
@@ -329,12 +338,7 @@ class PullConnectorWorker(KVConnectorWorker):
 
     # ---- D: receiving -------------------------------------------------------------------------
 
-    def _arm_heartbeat(self) -> None:
-        if not self._recvs and not self._kept_alive:  # first heartbeat one period after the wait starts
-            self._next_heartbeat = time.monotonic() + self.config.heartbeat_seconds
-
     def _add_recv(self, spec: RecvSpec) -> None:
-        self._arm_heartbeat()
         self._recvs[spec.request_id] = _Recv(spec)
         remote = self._remotes.get(spec.remote_engine_id)
         if remote is not None:
@@ -410,6 +414,8 @@ class PullConnectorWorker(KVConnectorWorker):
         elif spec.remote_block_ids and not (0 <= min(spec.remote_block_ids)
                                             and max(spec.remote_block_ids) < remote.region.num_blocks):
             error = f"remote block id out of range [0, {remote.region.num_blocks})"
+        if error is None and self._is_lost(spec):
+            error = "its lease on the KV ran out before this engine's first heartbeat reached it"
         if error is not None:
             self._fail(recv, f"KV load from remote engine {remote.engine_id} failed: {error}",
                        spec.local_block_ids, release=True)
@@ -455,10 +461,14 @@ class PullConnectorWorker(KVConnectorWorker):
                 self._done_to_send.setdefault((spec.remote_engine_id, spec.remote_host, spec.remote_port),
                                               []).append(spec.remote_request_id)
         invalid = self._invalid_blocks(recv, state)
+        lost = state == "DONE" and self._is_lost(spec)  # P freed the blocks while we read them
+        if lost:
+            invalid = list(spec.local_block_ids)
         if not invalid:
             self._finish_recv(recv)
             return
-        cause = "transfer error" if state != "DONE" else f"injected {self._inject_read_failure}"
+        cause = ("transfer error" if state != "DONE" else "the remote lease ran out during the read" if lost
+                 else f"injected {self._inject_read_failure}")
         self._fail(recv, f"KV load from remote engine {spec.remote_engine_id} failed: "
                    f"{len(invalid)} of {len(spec.local_block_ids)} blocks invalid ({cause})", invalid,
                    release=state != "DONE")  # after an ERR P got no done notice: let it free now
@@ -482,6 +492,9 @@ class PullConnectorWorker(KVConnectorWorker):
     def _finish_recv(self, recv: _Recv) -> None:
         del self._recvs[recv.spec.request_id]
         self._finished_recving.add(recv.spec.request_id)
+        spec = recv.spec
+        with self._lock:
+            self._lost.discard((spec.remote_host, spec.remote_port, spec.remote_request_id))
 
     def _maybe_heartbeat(self) -> None:
         now = time.monotonic()
@@ -495,7 +508,22 @@ class PullConnectorWorker(KVConnectorWorker):
             by_engine.setdefault((spec.remote_host, spec.remote_port), []).append(spec.remote_request_id)
         for (host, port), request_ids in by_engine.items():
             self._send_async(host, port, {"type": "heartbeat", "engine_id": self.engine_id,
-                                          "remote_request_ids": request_ids})
+                                          "remote_request_ids": request_ids},
+                             on_reply=lambda reply, host=host, port=port: self._note_expired(host, port, reply))
+
+    def _note_expired(self, host: str, port: int, reply: dict[str, Any]) -> None:
+        """Client pool thread: P says these leases ran out before a heartbeat reached it (P may
+        have reused the blocks): their loads must fail, not read."""
+        expired = reply.get("expired") or []
+        if expired:
+            logger.warning("P at %s:%d had already freed the KV of %d request(s) queued here: their "
+                           "loads fail (kv_load_failure_policy applies)", host, port, len(expired))
+            with self._lock:
+                self._lost.update((host, port, request_id) for request_id in expired)
+
+    def _is_lost(self, spec: RecvSpec) -> bool:
+        with self._lock:
+            return (spec.remote_host, spec.remote_port, spec.remote_request_id) in self._lost
 
     def _send_done(self, engine_id: str, host: str, port: int, request_ids: list[str]) -> None:
         """Tell P these READs are done (transports with notifies_done); over the side channel here."""
@@ -506,12 +534,14 @@ class PullConnectorWorker(KVConnectorWorker):
         self._send_async(spec.remote_host, spec.remote_port, {
             "type": "release", "engine_id": self.engine_id, "remote_request_ids": [spec.remote_request_id]})
 
-    def _send_async(self, host: str, port: int, message: dict[str, Any]) -> None:
+    def _send_async(self, host: str, port: int, message: dict[str, Any], on_reply=None) -> None:
         def send() -> None:
             try:
                 reply, _ = side_channel.request(host, port, message)
                 if not reply.get("ok"):
                     logger.warning("%s to %s:%d refused: %s", message["type"], host, port, reply.get("error"))
+                elif on_reply is not None:
+                    on_reply(reply)
             except OSError as e:
                 logger.warning("%s to %s:%d failed: %s", message["type"], host, port, e)
         try:
@@ -536,12 +566,14 @@ class PullConnectorWorker(KVConnectorWorker):
                     logger.warning("KV lease of %s expired: no READ or heartbeat for %.1fs; freeing "
                                    "%d blocks", request_id, self.config.lease_seconds, len(held.block_ids))
                     self._num_lease_expirations += 1
+                    self._expired[request_id] = now
                     finished.add(request_id)
             for request_id in finished:
                 del self._held[request_id]
-            for request_id, seen_at in list(self._early_done.items()):
-                if seen_at + self.config.lease_seconds < now:
-                    del self._early_done[request_id]
+            for pending in (self._early_done, self._expired):
+                for request_id, seen_at in list(pending.items()):
+                    if seen_at + self.config.lease_seconds < now:
+                        del pending[request_id]
         return finished
 
     # side-channel thread: lease state under the lock, never the transport
@@ -557,14 +589,16 @@ class PullConnectorWorker(KVConnectorWorker):
 
     def _on_heartbeat(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         deadline = time.monotonic() + self.config.lease_seconds
-        num_extended = 0
+        num_extended, expired = 0, []
         with self._lock:
             for request_id in message.get("remote_request_ids", []):
                 held = self._held.get(request_id)
                 if held is not None:
                     held.deadline = max(held.deadline, deadline)
                     num_extended += 1
-        return {"ok": True, "num_extended": num_extended}, b""
+                elif request_id in self._expired:  # (unknown ids may just not have arrived yet)
+                    expired.append(request_id)
+        return {"ok": True, "num_extended": num_extended, "expired": expired}, b""
 
     def release_held(self, request_ids: list[str]) -> None:
         self._mark_released(request_ids)

@@ -33,11 +33,14 @@ def test_heartbeats_extend_lease(make_worker):
     for _ in range(8):  # 0.8 s > lease, heartbeats every 0.1 s
         reply, _ = side_channel.request("127.0.0.1", p.side_channel_port, {
             "type": "heartbeat", "engine_id": "d", "remote_request_ids": ["p-req", "unknown"]})
-        assert reply == {"ok": True, "num_extended": 1}
+        assert reply == {"ok": True, "num_extended": 1, "expired": []}  # "unknown": not seen, not expired
         assert p.get_finished() == (set(), set())
         time.sleep(0.1)
     sending, _ = poll([p], lambda s, r: "p-req" in s)
     assert p.get_stats()["kv_lease_expirations_total"] == 1
+    reply, _ = side_channel.request("127.0.0.1", p.side_channel_port, {
+        "type": "heartbeat", "engine_id": "d", "remote_request_ids": ["p-req", "unknown"]})
+    assert reply == {"ok": True, "num_extended": 0, "expired": ["p-req"]}
     assert_idle(p)
 
 

@@ -100,6 +100,29 @@ def test_request_queued_on_d_keeps_p_lease_alive_then_releases_it(make_worker):
     assert_idle(p, d)
 
 
+def test_load_fails_when_p_lease_ran_out_before_the_first_heartbeat(make_worker):
+    """P freed the blocks before D's first heartbeat reached it (a long hop to D): P's reply says so,
+    and D fails the load (the load-failure policy then applies) instead of reading freed blocks."""
+    p = make_worker("producer", lease_seconds=0.2)
+    d = make_worker("consumer", heartbeat_seconds=0.5)
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [1, 2])]))
+    keep = KeepAliveSpec("d-req", p.engine_id, "p-req", "127.0.0.1", p.side_channel_port)
+    d.start_load_kv(PullConnectorMeta(reqs_to_keep_alive=[keep]))
+    poll([p], lambda s, r: "p-req" in s)                  # the lease runs out first
+    assert p.get_stats()["kv_lease_expirations_total"] == 1
+    time.sleep(0.6)
+    d.get_finished()                                      # the heartbeat goes out; P answers "expired"
+    deadline = time.monotonic() + 3
+    while not d._is_lost(recv_spec("d-req", p, [5, 6], [1, 2])) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [5, 6], [1, 2])]))
+    _, recving = poll([p, d], lambda s, r: "d-req" in r)
+    assert recving == ["d-req"] and d.get_block_ids_with_load_errors() == {5, 6}
+    assert "lease" in d.get_load_error("d-req")
+    assert d.get_stats()["kv_transfer_descriptors_total"] == 0  # nothing was read
+    assert_idle(p, d)
+
+
 def test_release_of_a_reused_request_id_frees_only_the_old_copy(make_worker):
     p = make_worker("producer", lease_seconds=30)
     d = make_worker("consumer")
