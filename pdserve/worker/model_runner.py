@@ -5,9 +5,8 @@ pinned, non-blocking copies, runs the model, samples the rows that asked for a t
 host sync (an event recorded after sampling). launch() and collect() split a step at that sync so
 that the engine can launch the next step first (async scheduling, engine/engine_core.py). On CUDA a
 pure-decode step replays a captured graph instead (worker/cuda_graphs.py; off with enforce_eager or
-PDSERVE_ENFORCE_EAGER=1). Around the forward pass it drives
-the connector's worker half; it does so on every step, also when nothing is scheduled, so KV transfers
-advance while all requests wait for them.
+PDSERVE_ENFORCE_EAGER=1). Around the forward pass it drives the connector's worker half; it does so on
+every step, also when nothing is scheduled, so KV transfers advance while all requests wait for them.
 """
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from pdserve.model.sampler import sample
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.cuda_graphs import DecodeGraphs, graph_buckets
 from pdserve.worker.kv_cache import allocate_kv_cache
+
 
 class StepHandle:
     """A launched step: its sampled token ids, on the device for the next step's placeholders and on
