@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shlex
 import signal
 import sys
 
@@ -109,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how D pulls P's KV blocks")
     up.add_argument("--kv-transfer-config", default=None, help="JSON passed to every instance")
     up.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step of each instance")
+    up.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once, per instance")
+    up.add_argument("--prefill-args", default="", metavar="'FLAGS'",
+                    help="more `pdserve serve` flags for the prefill instances only, e.g. "
+                         "--prefill-args='--max-num-batched-tokens 8192' (they override the shared ones; "
+                         "write it with '=' so that a lone flag is not taken for an option of `up`)")
+    up.add_argument("--decode-args", default="", metavar="'FLAGS'",
+                    help="more `pdserve serve` flags for the decode instances only, e.g. "
+                         "--decode-args='--max-num-seqs 512'")
     up.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per instance on CPU")
     up.set_defaults(func=up_main)
 
@@ -181,13 +190,23 @@ def up_main(args: argparse.Namespace) -> int:
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--served-model-name", args.served_model_name),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                        ("--max-num-seqs", args.max_num_seqs),
                         ("--kv-cache-memory", args.kv_cache_memory)):
         if value is not None:
             serve_args += [flag, str(value)]
+    role_args = {}
+    for role, flags in (("prefill", args.prefill_args), ("decode", args.decode_args)):
+        role_args[role] = shlex.split(flags)
+        try:  # a typo must fail here, not as a child that exits during start-up
+            build_parser().parse_args(["serve", *role_args[role]])
+        except SystemExit:
+            print(f"pdserve up: --{role}-args {flags!r}: not valid `pdserve serve` flags", file=sys.stderr)
+            return 2
     return run_cluster(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                        host=args.host, port=args.port, serve_args=serve_args,
                        kv_transfer_config=args.kv_transfer_config, device=args.device,
-                       kv_connector=args.kv_connector)
+                       kv_connector=args.kv_connector, prefill_args=role_args["prefill"],
+                       decode_args=role_args["decode"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,9 +95,25 @@ class ChildProcesses:
                 p.wait()
 
 
+def instance_command(role: str, index: int, port: int, *, model: str, host: str, serve_args: Sequence[str],
+                     role_args: Sequence[str], kv_connector: str, kv_transfer_config: str | None,
+                     cores: Sequence[int] | None) -> list[str]:
+    """`pdserve serve` for one instance: the shared flags, then the role's own (later flags win, so
+    --prefill-args / --decode-args override what every instance gets)."""
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--host", host,
+           "--port", str(port), "--kv-connector", kv_connector, "--kv-role", role,
+           "--engine-id", f"{'prefill' if role == 'producer' else 'decode'}-{index}", *serve_args]
+    if kv_transfer_config:
+        cmd += ["--kv-transfer-config", kv_transfer_config]
+    if cores:
+        cmd += ["--cpu-cores", ",".join(map(str, cores)), "--num-threads", str(len(cores))]
+    return cmd + list(role_args)
+
+
 def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, port: int,
                 serve_args: list[str], kv_transfer_config: str | None, device: str,
-                kv_connector: str = "nixl") -> int:
+                kv_connector: str = "nixl", prefill_args: Sequence[str] = (),
+                decode_args: Sequence[str] = ()) -> int:
     instances = [("producer", i) for i in range(num_prefill)] + [("consumer", i) for i in range(num_decode)]
     use_cuda = device == "cuda" or (device == "auto" and num_gpus() > 0)
     cores = [None] * len(instances) if use_cuda else split_cores(len(instances))
@@ -109,16 +125,13 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
     try:
         for n, (role, i) in enumerate(instances):
             inst_port = port + 1 + n
-            cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--host", host,
-                   "--port", str(inst_port), "--kv-connector", kv_connector, "--kv-role", role,
-                   "--engine-id", f"{'prefill' if role == 'producer' else 'decode'}-{i}", *serve_args]
-            if kv_transfer_config:
-                cmd += ["--kv-transfer-config", kv_transfer_config]
+            cmd = instance_command(role, i, inst_port, model=model, host=host, serve_args=serve_args,
+                                   role_args=prefill_args if role == "producer" else decode_args,
+                                   kv_connector=kv_connector, kv_transfer_config=kv_transfer_config,
+                                   cores=cores[n])
             env = dict(os.environ)
             if use_cuda and num_cuda_devices:
                 env["CUDA_VISIBLE_DEVICES"] = str(n % num_cuda_devices)
-            if cores[n]:
-                cmd += ["--cpu-cores", ",".join(map(str, cores[n])), "--num-threads", str(len(cores[n]))]
             children.start(cmd, env=env)
             (prefill_urls if role == "producer" else decode_urls).append(f"http://{host}:{inst_port}")
         children.wait_healthy(prefill_urls + decode_urls, HEALTH_TIMEOUT_S)
