@@ -27,7 +27,6 @@ class ScheduledRequest:
     block_ids: list[int]              # the request's whole block table
     sampling_params: SamplingParams
     do_sample: bool                   # False for a prompt chunk that is not the last
-    num_output_tokens: int = 0        # how many tokens the request has sampled so far (seeded sampling)
 
 
 @dataclass(frozen=True)

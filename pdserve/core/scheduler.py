@@ -69,13 +69,13 @@ class Scheduler:
         self._updates: list[RequestUpdate] = []         # finishes decided outside a step
         # Async scheduling: blocks of requests finished while a step that writes them was in
         # flight; freed when the next step lands.
-        self._free_after_landing: list[Request] = []
+        self._free_after_landing: dict[str, Request] = {}
 
     # -- intake ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if (request.request_id in self.requests or request.request_id in self.held_for_transfer
                 or request.request_id in self.aborted_while_loading
-                or any(r.request_id == request.request_id for r in self._free_after_landing)):
+                or request.request_id in self._free_after_landing):
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         capacity = self.kv.pool.num_blocks * self.block_size
         if request.num_prompt_tokens >= capacity:
@@ -134,8 +134,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            if request.num_output_tokens + request.num_inflight_samples >= request.max_tokens:
-                i += 1  # its in-flight step samples its last token
+            if request.last_token_in_flight:
+                i += 1
                 continue
             num_new = min(request.num_tokens + request.num_inflight_samples
                           - request.num_computed_tokens - request.num_inflight_tokens, budget)
@@ -240,8 +240,7 @@ class Scheduler:
         already in flight (async scheduling): its blocks free themselves when that step lands,
         and preempting it would throw away all its KV to recompute one token."""
         for j in range(len(running) - 1, i, -1):
-            other = running[j]
-            if other.num_output_tokens + other.num_inflight_samples < other.max_tokens:
+            if not running[j].last_token_in_flight:
                 return running.pop(j)
         return running.pop()
 
@@ -274,14 +273,13 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
             do_sample=do_sample,
-            num_output_tokens=request.num_output_tokens + request.num_inflight_samples - do_sample,
         )
 
     # -- update ------------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         # The step in flight when these were let go has landed (steps land in order).
-        landed, self._free_after_landing = self._free_after_landing, []
+        landed, self._free_after_landing = self._free_after_landing, {}
         updates, self._updates = self._updates, []
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
@@ -303,7 +301,7 @@ class Scheduler:
                 update.kv_transfer_params = self._finish(request, status, emit=False)
             updates.append(update)
         self._apply_connector_output(runner_output.kv_connector_output)
-        for request in landed:
+        for request in landed.values():
             self.kv.free(request)
         updates.extend(self._updates)
         self._updates = []
@@ -346,7 +344,7 @@ class Scheduler:
             elif request.num_inflight_tokens:
                 # A step in flight still writes these blocks, and a remote load (which does not
                 # wait for that step) must not land in them first.
-                self._free_after_landing.append(request)
+                self._free_after_landing[request.request_id] = request
             else:
                 self.kv.free(request)
         if emit:

@@ -27,12 +27,13 @@ def sample(logits: torch.Tensor, temperatures: Values, top_ps: Values, top_ks: V
     """logits: [N, V] float32. temperature 0 means greedy (an exact argmax of the logits); top_k 0
     (or >= V) means no top-k cut; top_p 1.0 means no top-p cut. generators: one per row, None or a
     torch.Generator on the logits' device. Returns the sampled token ids, [N] int64 on the device."""
-    if _is_host(temperatures) and all(t == 0 for t in temperatures):
+    # A host list shows how many rows are greedy (temperature 0: the argmax) without a device sync.
+    num_greedy = sum(t == 0 for t in temperatures) if _is_host(temperatures) else None
+    if num_greedy == len(temperatures):
         return logits.argmax(dim=-1)
     device = logits.device
     vocab_size = logits.shape[-1]
-    # Rows with temperature 0 take the argmax; a host list shows when there are none.
-    greedy_ids = None if _is_host(temperatures) and all(t != 0 for t in temperatures) else logits.argmax(dim=-1)
+    greedy_ids = None if num_greedy == 0 else logits.argmax(dim=-1)
     temperatures = _as_tensor(temperatures, torch.float32, device)
     is_greedy = temperatures == 0
     logits = logits / torch.where(is_greedy, 1.0, temperatures)[:, None]  # [N, V]

@@ -10,6 +10,7 @@ every step, also when nothing is scheduled, so KV transfers advance while all re
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,7 +39,11 @@ class StepHandle:
     def __init__(self, request_ids: list[str], tokens: torch.Tensor | None, host: torch.Tensor | None,
                  ready: torch.cuda.Event | None) -> None:
         self.request_ids, self.tokens, self.host, self.ready = request_ids, tokens, host, ready
-        self.row_of = {request_id: row for row, request_id in enumerate(request_ids)}
+
+    @functools.cached_property
+    def row_of(self) -> dict[str, int]:
+        """Request id → row of `tokens`; built only when a next step has placeholders to fill."""
+        return {request_id: row for row, request_id in enumerate(self.request_ids)}
 
     @classmethod
     def launched(cls, request_ids: list[str], tokens: torch.Tensor | None, device: torch.device) -> StepHandle:
