@@ -26,7 +26,6 @@ def fast_decoder(tokenizer):
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
                  decode=None) -> None:
-        self.tokenizer = tokenizer
         self._decode = decode or (fast_decoder(tokenizer) if tokenizer is not None else None)
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -41,7 +40,7 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> bool:
         """Add tokens; True when a stop string was found (the request must stop)."""
-        if self.tokenizer is None or self.stopped:
+        if self._decode is None or self.stopped:
             return False
         before = len(self.text)
         for token_id in new_token_ids:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.base import KVConnectorWorker
-from pdserve.kv_transfer.pull import KeepAliveSpec, PullConnectorMeta, RecvSpec
+from pdserve.kv_transfer.pull import KeepAliveSpec, PullConnectorMeta, RecvSpec, track_keep_alives
 
 _REGISTRY: dict[str, "LoopbackConnectorWorker"] = {}
 
@@ -44,17 +44,12 @@ class LoopbackConnectorWorker(KVConnectorWorker):
         for spec in meta.reqs_to_send:
             self._leases[spec.request_id] = now + self.config.lease_seconds
             self._lease_blocks[spec.request_id] = len(spec.block_ids)
-        for keep in meta.reqs_to_release:  # first: an id may be reused by a keep-alive below
-            if self._kept_alive.get(keep.request_id) == keep:
-                del self._kept_alive[keep.request_id]
+        track_keep_alives(self._kept_alive, meta)
+        for keep in meta.reqs_to_release:
             peer = _REGISTRY.get(keep.remote_engine_id)
             if peer is not None:  # (possibly before P's SendSpec: _notified keeps it for then)
                 peer._notified.add(keep.remote_request_id)
-        for keep in meta.reqs_to_keep_alive:
-            self._kept_alive[keep.request_id] = keep
-        for spec in meta.reqs_to_recv:
-            self._kept_alive.pop(spec.request_id, None)
-            self._pending.append(spec)
+        self._pending.extend(meta.reqs_to_recv)
         for request_id in meta.reqs_to_cancel:
             for spec in [s for s in self._pending if s.request_id == request_id]:
                 self._pending.remove(spec)

@@ -60,6 +60,20 @@ class KeepAliveSpec:
     remote_port: int
 
 
+def track_keep_alives(kept_alive: dict[str, KeepAliveSpec], meta: "PullConnectorMeta") -> None:
+    """D's worker half, each step: the requests to keep alive after this meta. Releases go first
+    (one may end an earlier request under an id a keep-alive in the same meta reuses); a request
+    whose READ starts leaves (the READ's own heartbeats take over). Sending the releases is the
+    caller's: meta.reqs_to_release."""
+    for keep in meta.reqs_to_release:
+        if kept_alive.get(keep.request_id) == keep:
+            del kept_alive[keep.request_id]
+    for keep in meta.reqs_to_keep_alive:
+        kept_alive[keep.request_id] = keep
+    for spec in meta.reqs_to_recv:
+        kept_alive.pop(spec.request_id, None)
+
+
 @dataclass(frozen=True)
 class SendSpec:
     """P: keep block_ids readable for a remote reader until it notifies or the lease expires."""

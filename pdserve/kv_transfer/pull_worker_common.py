@@ -67,7 +67,7 @@ import torch
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.base import KVConnectorWorker
-from pdserve.kv_transfer.pull import KeepAliveSpec, PullConnectorMeta, RecvSpec
+from pdserve.kv_transfer.pull import KeepAliveSpec, PullConnectorMeta, RecvSpec, track_keep_alives
 
 logger = logging.getLogger(__name__)
 
@@ -258,17 +258,12 @@ class PullConnectorWorker(KVConnectorWorker):
                 if self._early_done.pop(send.request_id, None) is not None:
                     self._released.add(send.request_id)
         was_waiting = bool(self._recvs or self._kept_alive)
-        # Releases first: one may end an earlier request under an id a keep-alive below reuses.
+        track_keep_alives(self._kept_alive, meta)
         for keep in meta.reqs_to_release:
-            if self._kept_alive.get(keep.request_id) == keep:
-                del self._kept_alive[keep.request_id]
             self._send_release(keep)
             with self._lock:
                 self._lost.discard((keep.remote_host, keep.remote_port, keep.remote_request_id))
-        for keep in meta.reqs_to_keep_alive:
-            self._kept_alive[keep.request_id] = keep
         for spec in meta.reqs_to_recv:
-            self._kept_alive.pop(spec.request_id, None)
             self._add_recv(spec)
         if not was_waiting and (self._recvs or self._kept_alive):
             # The first heartbeat one period after the wait starts; a keep-alive handing over to
@@ -522,6 +517,8 @@ class PullConnectorWorker(KVConnectorWorker):
                 self._lost.update((host, port, request_id) for request_id in expired)
 
     def _is_lost(self, spec: RecvSpec) -> bool:
+        if not self._lost:  # nearly always: no lock on the post/read path (a set's truth test is atomic)
+            return False
         with self._lock:
             return (spec.remote_host, spec.remote_port, spec.remote_request_id) in self._lost
 
@@ -571,6 +568,8 @@ class PullConnectorWorker(KVConnectorWorker):
             for request_id in finished:
                 del self._held[request_id]
             for pending in (self._early_done, self._expired):
+                if not pending:  # most steps: nothing to sweep
+                    continue
                 for request_id, seen_at in list(pending.items()):
                     if seen_at + self.config.lease_seconds < now:
                         del pending[request_id]

@@ -11,7 +11,6 @@ import torch
 from pdserve.config import KVTransferConfig
 from pdserve.core.request import Request
 from pdserve.kv_transfer.factory import CONNECTORS, create_connector
-from pdserve.kv_transfer.pull_worker_common import coalesce
 from pdserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -82,7 +81,8 @@ def test_pull_handoff_through_the_contract(name):
         for local, remote in zip(d_blocks, p_blocks):
             assert torch.equal(d_kv[local], p_kv[remote])
         # one descriptor per coalesced run (loopback copies block by block)
-        runs = len(d_blocks) if name == "loopback" else len(coalesce(d_blocks, p_blocks))
+        # d 0,1 ← p 3,4 | d 2 ← p 9 | d 7 ← p 10: three runs
+        runs = len(d_blocks) if name == "loopback" else 3
         assert d_worker.get_stats()["kv_transfer_descriptors_total"] == runs
         assert seen[id(p_worker)][1] == set() and seen[id(d_worker)][0] == set()
         assert p_worker.num_pending_requests() == 0 and d_worker.num_pending_requests() == 0
