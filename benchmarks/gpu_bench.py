@@ -495,12 +495,14 @@ def bench_offline(num_prompts: int, input_len: int, output_len: int, max_num_seq
     def timed(batch, async_scheduling=True):
         llm.engine.async_scheduling = async_scheduling
         steps.clear()
-        start = time.perf_counter()
-        results = llm.generate(batch, params)
-        elapsed = time.perf_counter() - start
+        try:
+            start = time.perf_counter()
+            results = llm.generate(batch, params)
+            elapsed = time.perf_counter() - start
+        finally:
+            llm.engine.async_scheduling = True  # the CUDA default
         num_out = sum(len(r.token_ids) for r in results)
         assert num_out == len(batch) * output_len
-        llm.engine.async_scheduling = True
         return elapsed, num_out, roofline(shape, steps), len(steps)
 
     small = timed(prompts[:hf_prompts])
