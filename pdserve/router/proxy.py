@@ -86,11 +86,12 @@ class BackendError(Exception):
     """A hop failed. `body` set: the backend's own 4xx, passed through; else a 502 naming the backend."""
 
     def __init__(self, role: str, url: str, detail: str, status: int = 502, body: bytes | None = None,
-                 content_type: str = "application/json") -> None:
+                 content_type: str = "application/json", never_took_request: bool = False) -> None:
         super().__init__(f"{role} backend {url} failed: {detail}")
         self.status, self.body, self.content_type = status, body, content_type
         self.is_retryable = body is None  # connection error, timeout, 5xx; never the client's 4xx
-        self.never_took_request = False   # set where that is certain: no connection, or an error status
+        # Certain only where no connection was made or the backend answered with an error status.
+        self.never_took_request = never_took_request
 
     def response(self) -> web.Response:
         if self.body is not None:
@@ -170,19 +171,16 @@ class Proxy:
         try:
             resp = await self.session.post(url + path, json=body, headers=headers)
         except NETWORK_ERRORS as e:
-            error = BackendError(role, url, describe(e))
-            error.never_took_request = isinstance(e, aiohttp.ClientConnectorError)
-            raise error from e
+            raise BackendError(role, url, describe(e),
+                               never_took_request=isinstance(e, aiohttp.ClientConnectorError)) from e
         if resp.status < 400:
             return resp
         data = await self.read(role, url, resp)
         if resp.status < 500:  # the client's mistake: its own status and body
-            error = BackendError(role, url, f"HTTP {resp.status}", resp.status, data,
-                                 resp.headers.get("Content-Type", "application/json"))
-        else:
-            error = BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')}")
-        error.never_took_request = True
-        raise error
+            raise BackendError(role, url, f"HTTP {resp.status}", resp.status, data,
+                               resp.headers.get("Content-Type", "application/json"), never_took_request=True)
+        raise BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')}",
+                           never_took_request=True)
 
     async def prefill_hop(self, path: str, body: dict, headers: dict, is_chat: bool) -> tuple[str, dict]:
         """(the P that answered, its kv_transfer_params)."""
