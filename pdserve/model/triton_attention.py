@@ -46,10 +46,13 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# Tile shapes: the fastest of the configurations benchmarks/gpu_bench.py sweeps, on one H200
-# (2026-11-29; docs/gpu.md): decode 152 us at batch 64 x 2048 (3.5 TB/s of KV), prefill 333 TFLOP/s.
+# Tile shapes: the fastest of the configurations benchmarks/gpu_bench.py and gpu_attention_sweep.py try
+# on one H200 (2026-11-29; docs/gpu.md). Prefill: 333 TFLOP/s. Decode: 64-token KV tiles in two stages
+# read KV at 4.25 TB/s at batch 256 x 2048 and 3.90 at batch 64; the 32-token, three-stage tiles used
+# before read 3.58 / 3.48 (gpu-attention-sweep-2026-11-29.json, session 4). The layout of heads within
+# a block (slots-major or heads-major) changed nothing there, so the cache keeps slots-major.
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
-DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 16
 NUM_SMS_DEFAULT = 132
 
@@ -188,18 +191,20 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
-        if IS_DECODE:  # one query token per sequence, one program per sequence
+        if IS_DECODE:  # one query token per sequence, at row `seq`: no query_start loads in the latency chain
             seq = pid
             q_tile = 0
+            q_start = seq
+            query_len = 1
         else:  # sequences [seq_base, seq_base + num_seqs); their query tiles from tile_base on
             tile = pid + tile_base
             local = _find_seq(query_start_ptr + seq_base, tile, num_seqs, BLOCK_Q)
             q_tile = tile - (tl.load(query_start_ptr + seq_base + local) // BLOCK_Q + local)
             seq = seq_base + local
-        q_start = tl.load(query_start_ptr + seq)
-        query_len = tl.load(query_start_ptr + seq + 1) - q_start
-        if q_tile * BLOCK_Q >= query_len:  # this sequence has fewer tiles than its reserved range
-            return
+            q_start = tl.load(query_start_ptr + seq)
+            query_len = tl.load(query_start_ptr + seq + 1) - q_start
+            if q_tile * BLOCK_Q >= query_len:  # this sequence has fewer tiles than its reserved range
+                return
         seq_len = tl.load(seq_lens_ptr + seq)
         context_len = seq_len - query_len  # tokens cached before this step
 
