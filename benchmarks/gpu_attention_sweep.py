@@ -95,12 +95,12 @@ def main() -> None:
     from pdserve.model import triton_attention as ta
     from pdserve.model.attention import paged_attention_reference
     start = time.monotonic()
-    default = dict(ta.DECODE_CONFIG)
+    default, default_split = dict(ta.DECODE_CONFIG), dict(ta.DECODE_SPLIT_CONFIG)
     copy, read = copy_and_read_bandwidth()
     result = {"date": today(), "machine": machine(), "context": CONTEXT,
               "shape": "Llama-3.1-8B attention: 32 heads, 8 kv heads, d 128, block 16, bf16",
               "copy_tbps": copy / 1e12, "read_tbps": read / 1e12, "hbm_bound_tbps": HBM_BYTES_PER_S / 1e12,
-              "default_config": default, "rows": []}
+              "default_config": default, "default_split_config": default_split, "rows": []}
     print(f"device copy: {result['copy_tbps']:.2f} TB/s, read-only sum: {result['read_tbps']:.2f} TB/s")
     configs = [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
                for n, w, s in itertools.product(*(map(int, v.split(",")) for v in (args.block_n, args.warps, args.stages)))]
@@ -108,7 +108,7 @@ def main() -> None:
 
     def measure(layout, cfg, batch, state):
         q, cache, md, layers, layer_bytes = state
-        ta.DECODE_CONFIG = cfg
+        ta.DECODE_CONFIG = ta.DECODE_SPLIT_CONFIG = cfg  # batch 1 and 16 run split-K
         try:
             t = time_config(ta, q, cache, md, layers)
         except Exception as e:  # a configuration that does not fit (shared memory, registers): recorded, skipped
@@ -124,7 +124,7 @@ def main() -> None:
         # Correctness of every layout with the default tiles, against the torch reference.
         for layout in layouts:
             q, cache, md, _, _ = setup(16, layout)
-            ta.DECODE_CONFIG = default
+            ta.DECODE_CONFIG, ta.DECODE_SPLIT_CONFIG = default, default_split
             ref = paged_attention_reference(q, cache[:, 0], md, DIM ** -0.5)
             out = ta.paged_attention_triton(q, cache[:, 0], md.query_start_loc, md.seq_lens, md.block_tables,
                                             BLOCK, DIM ** -0.5, 1)
@@ -159,7 +159,7 @@ def main() -> None:
     except TimeoutError:
         result["stopped"] = f"time limit {args.time_limit} s"
     finally:
-        ta.DECODE_CONFIG = default
+        ta.DECODE_CONFIG, ta.DECODE_SPLIT_CONFIG = default, default_split
         write_json(args.out_dir, f"gpu-attention-sweep-{today()}.json", result)
 
 

