@@ -307,11 +307,13 @@ def profile_replay(graph) -> dict:
         graph.replay()
         torch.cuda.synchronize()
     families: dict[str, float] = {}
+    by_name: list[tuple[float, str, int]] = []
     count = 0
     for event in prof.key_averages():
         us = event.self_device_time_total
         if us <= 0:
             continue
+        by_name.append((us / 1e3, event.key[:90], event.count))
         name = event.key.lower()
         family = ("attention" if "attn" in name or "reduce_kernel" in name else
                   "write_kv" if "write_kv" in name else
@@ -319,7 +321,8 @@ def profile_replay(graph) -> dict:
                   "other")
         families[family] = families.get(family, 0.0) + us / 1e3
         count += event.count
-    return {"kernel_ms_by_family": families, "num_kernels": count}
+    top = [{"kernel": k, "ms": ms, "count": n} for ms, k, n in sorted(by_name, reverse=True)[:12]]
+    return {"kernel_ms_by_family": families, "num_kernels": count, "top_kernels": top}
 
 
 def bench_decode(runner, quick: bool, context: int = 2048, variants: bool = True) -> dict:
@@ -352,6 +355,20 @@ def bench_decode(runner, quick: bool, context: int = 2048, variants: bool = True
                 row.update(profile_replay(graphs.graphs[size]))
             except Exception as e:  # the profiler is a nicety
                 row["profile_error"] = repr(e)[:200]
+        if graphs is not None and variants and n == 1:
+            # Before/after of the small-batch Triton matmuls (o, down): the same graph with every
+            # matmul on cuBLAS, captured again.
+            from pdserve.model import layers
+            layers.SMALL_BATCH_TRITON_LINEAR = False
+            try:
+                runner.capture_decode_graphs()
+                g = runner.decode_graphs.graphs[runner.decode_graphs.bucket(n)]
+                row["graph_replay_gpu_ms_all_cublas"] = gpu_median(g.replay, iters) * 1e3
+                row["graph_replay_over_roofline_all_cublas"] = row["graph_replay_gpu_ms_all_cublas"] / row["roofline_ms"]
+            finally:
+                layers.SMALL_BATCH_TRITON_LINEAR = True
+                runner.capture_decode_graphs()
+                graphs = runner.decode_graphs
         if graphs is not None and variants:
             runner.decode_graphs = None  # eager, Triton attention: what the graphs buy
             row["eager_triton_step_ms"] = wall_median(lambda: runner.execute_model(out), max(3, iters // 4)) * 1e3

@@ -13,23 +13,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model import triton_linear
+
+
+# Small-batch o/down projections through model/triton_linear.py on CUDA in bf16/fp16 (see there);
+# PDSERVE_SMALL_BATCH_TRITON_LINEAR=0 keeps every matmul on cuBLAS.
+SMALL_BATCH_TRITON_LINEAR = os.environ.get("PDSERVE_SMALL_BATCH_TRITON_LINEAR", "1") == "1"
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b). W: [out_features, in_features], the HF layout, so checkpoints copy in as is.
 
     A fused linear (qkv_proj, gate_up_proj) is one Linear whose output rows are the concatenation of
     its parts; the loader copies each checkpoint part into its row range (see LlamaModel.load_weights).
+    small_batch_triton: run inputs of at most triton_linear.MAX_ROWS rows through the Triton kernel
+    where it serves them (set for the projections where it measured faster than cuBLAS).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, small_batch_triton: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.small_batch_triton = small_batch_triton
+
+    def _use_triton(self, x: torch.Tensor) -> bool:
+        return (self.small_batch_triton and SMALL_BATCH_TRITON_LINEAR and x.is_cuda
+                and triton_linear.supports(x, self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_triton(x):
+            return triton_linear.linear_triton(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -151,10 +167,3 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)  # each [T, heads, head_dim/2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class SiluAndMul(nn.Module):
-    """The SwiGLU gate on a fused gate_up output: [T, 2 * inter] -> silu(gate) * up, [T, inter]."""
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(gate_up)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pdserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv
-from pdserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from pdserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -81,7 +81,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, device, small_batch_triton=True)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -107,11 +107,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype, device)
-        self.act = SiluAndMul()
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device,
+                                small_batch_triton=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):

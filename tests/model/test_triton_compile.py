@@ -12,6 +12,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from pdserve.model import triton_attention as ta  # noqa: E402
+from pdserve.model import triton_linear  # noqa: E402
 
 FLOATS = {"scale_log2"}
 
@@ -64,3 +65,13 @@ def test_attention_kernels_compile(dtype, ieee, is_decode, block_q, num_splits):
 
 def test_write_kv_kernel_compiles():
     compile_for_hopper(ta._write_kv_kernel, {"default": "*bf16", "slot_ptr": "*i64"}, dict(BLOCK_H=8, BLOCK_D=128))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("even_k, bias", [(True, False), (False, True)])
+def test_small_batch_linear_kernel_compiles(dtype, even_k, bias):
+    cfg = triton_linear.CONFIG
+    compile_for_hopper(triton_linear._gemv_kernel, {"default": f"*{dtype}"},
+                       dict(ROWS_PAD=triton_linear.MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                            EVEN_K=even_k, HAS_BIAS=bias),
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
