@@ -64,12 +64,35 @@ if HAS_TRITON:
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def shared_memory_bytes(cfg: dict) -> int:
+    """Shared memory a program of `cfg` takes with 16-bit inputs: num_stages - 1 tiles of W and x in
+    flight (147,456 B for CONFIG, as Triton's compile for sm_90 reports)."""
+    return (cfg["num_stages"] - 1) * (cfg["BLOCK_N"] + MAX_ROWS) * cfg["BLOCK_K"] * 2
+
+
+def fits(max_shared_mem: int, cfg: dict | None = None) -> bool:
+    """Whether a GPU with this much shared memory per block (opt-in) can run the kernel: an H100/H200
+    (227 KiB) or A100 (163 KiB) can; a GPU with ~99 KiB (most consumer and L-series parts) cannot, and
+    keeps cuBLAS rather than failing at its first small step."""
+    return max_shared_mem >= shared_memory_bytes(cfg or CONFIG)
+
+
+_FITS: dict[int, bool] = {}
+
+
+def _fits_device(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _FITS:
+        _FITS[index] = fits(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    return _FITS[index]
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear_triton serves this product: CUDA, 16-bit floats, 2-D x of 1 .. MAX_ROWS rows,
-    contiguous last dims."""
+    contiguous last dims, a GPU with the shared memory the tiles need."""
     return (HAS_TRITON and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.stride(-1) == 1 and weight.stride(-1) == 1)
+            and x.stride(-1) == 1 and weight.stride(-1) == 1 and _fits_device(x.device))
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
