@@ -54,6 +54,11 @@ def _next_pow2(n: int) -> int:
 # Split-K decode (few sequences): a split of 2,048 / 16 tokens is one 128-token tile, read by a lighter
 # program without a pipeline: 9.5 us per layer at batch 1 against 10.7 with the DECODE_CONFIG tiles.
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+# PREFILL_CONFIG's tiles take 160 KiB of shared memory at head_dim 128 (Triton's compile for sm_90): an
+# A100 or H100/H200 holds them, a GPU with ~99 KiB per block (L4, A10G, consumer parts) does not and
+# would fail at its first prefill. Those get 64 x 64 tiles (80 KiB).
+PREFILL_SHARED_BYTES = 163_840
+PREFILL_CONFIG_SMALL_SMEM = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 DECODE_SPLIT_CONFIG = {"BLOCK_N": 128, "num_warps": 2, "num_stages": 1}
 MAX_SPLITS = 16
@@ -396,6 +401,11 @@ def _launch_decode(q, kv_layer, out, query_start_loc, seq_lens, block_tables, bl
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4)
 
 
+def prefill_config(device: torch.device) -> dict:
+    """PREFILL_CONFIG where the GPU's shared memory holds its tiles, else PREFILL_CONFIG_SMALL_SMEM."""
+    return PREFILL_CONFIG if max_shared_memory(device) >= PREFILL_SHARED_BYTES else PREFILL_CONFIG_SMALL_SMEM
+
+
 def _launch_prefill(q, kv_layer, out, query_start_loc, seq_lens, block_tables, block_size, scale,
                     seq_base: int, max_query_len: int) -> None:
     """Sequences [seq_base, S) of any query length; the ones before seq_base are decodes whose one
@@ -407,7 +417,7 @@ def _launch_prefill(q, kv_layer, out, query_start_loc, seq_lens, block_tables, b
     group_pad = _next_pow2(group)
     head_dim_pad = max(16, _next_pow2(head_dim))
     ieee = q.dtype == torch.float32
-    cfg = PREFILL_CONFIG
+    cfg = prefill_config(q.device)
     block_q = max(1, min(cfg["BLOCK_M"] // group_pad, _next_pow2(max_query_len)))
     if block_q * group_pad < 16:
         block_q = 16 // group_pad
@@ -436,6 +446,17 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 _SM_COUNTS: dict[int, int] = {}
+_SHARED_MEMORY: dict[int, int] = {}
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Shared memory a program may use on this GPU (the opt-in maximum Triton checks launches against)."""
+    if device.type != "cuda":  # the interpreter: no limit to respect
+        return 1 << 30
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SHARED_MEMORY:
+        _SHARED_MEMORY[index] = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return _SHARED_MEMORY[index]
 
 
 def _num_sms(device: torch.device) -> int:

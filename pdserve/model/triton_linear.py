@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.model.triton_attention import max_shared_memory
+
 try:
     import triton
     import triton.language as tl
@@ -77,22 +79,12 @@ def fits(max_shared_mem: int, cfg: dict | None = None) -> bool:
     return max_shared_mem >= shared_memory_bytes(cfg or CONFIG)
 
 
-_FITS: dict[int, bool] = {}
-
-
-def _fits_device(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _FITS:
-        _FITS[index] = fits(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
-    return _FITS[index]
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear_triton serves this product: CUDA, 16-bit floats, 2-D x of 1 .. MAX_ROWS rows,
     contiguous last dims, a GPU with the shared memory the tiles need."""
     return (HAS_TRITON and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.stride(-1) == 1 and weight.stride(-1) == 1 and _fits_device(x.device))
+            and x.stride(-1) == 1 and weight.stride(-1) == 1 and fits(max_shared_memory(x.device)))
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -86,6 +86,15 @@ def test_mixed_batch_matches_reference(query_lens, seq_lens, dtype):
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_on_a_gpu_with_99_kib_of_shared_memory(monkeypatch, dtype):
+    """An L4 / A10G-class GPU cannot hold the default prefill tiles: the smaller ones run, correctly."""
+    monkeypatch.setattr(triton_attention, "max_shared_memory", lambda device: 101_376)
+    assert triton_attention.prefill_config(torch.device(DEVICE)) is triton_attention.PREFILL_CONFIG_SMALL_SMEM
+    out, ref = run_both([130, 1, 77, 9], [300, 64, 77, 9], 32, 8, 128, 16, dtype, seed=5)
+    assert_close(out, ref, dtype)
+
+
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [
     (32, 8, 128, 16),   # Llama-3-8B
     (4, 4, 32, 8),      # MHA, small blocks

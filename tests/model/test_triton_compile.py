@@ -85,3 +85,22 @@ def test_small_batch_linear_kernel_compiles(dtype, even_k, bias):
     # The weight stream is pipelined, and triton_linear.fits() counts the shared memory that takes.
     assert "cp.async" in kernel.asm["ptx"]
     assert kernel.metadata.shared == triton_linear.shared_memory_bytes(cfg)
+
+
+def test_prefill_tiles_fit_the_shared_memory_they_are_chosen_for():
+    """triton_attention.prefill_config() picks tiles by the GPU's shared memory: the default ones take
+    PREFILL_SHARED_BYTES at head_dim 128, the fallback fits a 99 KiB GPU."""
+    pointers = {"default": "*bf16", "table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
+                "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+    aligned = tuple(a for a in ta._attn_kernel.arg_names
+                    if a not in ("num_seqs", "seq_base", "tile_base", "stride_table", "scale_log2"))
+    shared = {}
+    for name, cfg in (("default", ta.PREFILL_CONFIG), ("small", ta.PREFILL_CONFIG_SMALL_SMEM)):
+        kernel = compile_for_hopper(
+            ta._attn_kernel, pointers,
+            dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=cfg["BLOCK_M"] // 4, BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=128,
+                 HEAD_DIM_PAD=128, NUM_SPLITS=1, IS_DECODE=False, IEEE=False),
+            aligned=aligned, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        shared[name] = kernel.metadata.shared
+    assert shared["default"] == ta.PREFILL_SHARED_BYTES
+    assert shared["small"] <= 101_376
