@@ -298,6 +298,20 @@ def bench_splits(quick: bool) -> dict:
 
 # -- stage: decode step --------------------------------------------------------------------------
 
+def kernel_family(kernel_name: str) -> str:
+    """attention | write_kv | matmul | other, for a profile by family."""
+    name = kernel_name.lower()
+    if "splitkreduce" in name:  # cuBLAS's split-K reduction: part of a matmul, not attention's _reduce_kernel
+        return "matmul"
+    if "attn" in name or name.startswith("_reduce_kernel"):
+        return "attention"
+    if "write_kv" in name:
+        return "write_kv"
+    if any(k in name for k in ("gemm", "gemv", "sm90", "cutlass", "nvjet", "cublas")):
+        return "matmul"
+    return "other"
+
+
 def profile_replay(graph) -> dict:
     """Device time of one graph replay by kernel family (CUPTI via torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -314,11 +328,7 @@ def profile_replay(graph) -> dict:
         if us <= 0:
             continue
         by_name.append((us / 1e3, event.key[:90], event.count))
-        name = event.key.lower()
-        family = ("attention" if "attn" in name or "reduce_kernel" in name else
-                  "write_kv" if "write_kv" in name else
-                  "matmul" if any(k in name for k in ("gemm", "gemv", "sm90", "cutlass", "nvjet", "cublas")) else
-                  "other")
+        family = kernel_family(event.key)
         families[family] = families.get(family, 0.0) + us / 1e3
         count += event.count
     top = [{"kernel": k, "ms": ms, "count": n} for ms, k, n in sorted(by_name, reverse=True)[:12]]
@@ -356,18 +366,24 @@ def bench_decode(runner, quick: bool, context: int = 2048, variants: bool = True
             except Exception as e:  # the profiler is a nicety
                 row["profile_error"] = repr(e)[:200]
         if graphs is not None and variants and n == 1:
-            # Before/after of the small-batch Triton matmuls (o, down): the same graph with every
-            # matmul on cuBLAS, captured again.
+            # Before/after of the small-batch Triton matmuls (o, down): the same step with every matmul
+            # on cuBLAS, in graphs captured again. A fresh capture's static inputs are its defaults
+            # (context 1): one step through execute_model loads this batch's before the replays are timed.
             from pdserve.model import layers
-            layers.SMALL_BATCH_TRITON_LINEAR = False
+            routed = layers.SMALL_BATCH_TRITON_LINEAR
+            graphs = None  # the old graphs' pool goes with the recapture
             try:
+                layers.SMALL_BATCH_TRITON_LINEAR = not routed
                 runner.capture_decode_graphs()
-                g = runner.decode_graphs.graphs[runner.decode_graphs.bucket(n)]
-                row["graph_replay_gpu_ms_all_cublas"] = gpu_median(g.replay, iters) * 1e3
-                row["graph_replay_over_roofline_all_cublas"] = row["graph_replay_gpu_ms_all_cublas"] / row["roofline_ms"]
+                runner.execute_model(out)
+                other = gpu_median(runner.decode_graphs.graphs[runner.decode_graphs.bucket(n)].replay, iters) * 1e3
+                key = "all_cublas" if routed else "triton_linear"
+                row[f"graph_replay_gpu_ms_{key}"] = other
+                row[f"graph_replay_over_roofline_{key}"] = other / row["roofline_ms"]
             finally:
-                layers.SMALL_BATCH_TRITON_LINEAR = True
+                layers.SMALL_BATCH_TRITON_LINEAR = routed
                 runner.capture_decode_graphs()
+                runner.execute_model(out)
                 graphs = runner.decode_graphs
         if graphs is not None and variants:
             runner.decode_graphs = None  # eager, Triton attention: what the graphs buy

@@ -119,6 +119,9 @@ def main() -> None:
             scored.append((row["step_ms"], cfg))
             print_rows("", [{k: v for k, v in row.items() if k != "us"}])
         scored.sort(key=lambda s: s[0])
+        if not scored:  # every configuration failed or the time limit came first: nothing to carry over
+            result.setdefault("stopped", "no configuration completed")
+            return
         result["best_rows1"] = scored[0][1]
         for rows in (4, 16):
             x = {name: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for name, (_, k, _) in SHAPES.items()}

@@ -40,8 +40,7 @@ class Linear(nn.Module):
         self.small_batch_triton = small_batch_triton
 
     def _use_triton(self, x: torch.Tensor) -> bool:
-        return (self.small_batch_triton and SMALL_BATCH_TRITON_LINEAR and x.is_cuda
-                and triton_linear.supports(x, self.weight))
+        return self.small_batch_triton and SMALL_BATCH_TRITON_LINEAR and triton_linear.supports(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_triton(x):

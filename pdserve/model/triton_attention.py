@@ -49,10 +49,13 @@ def _next_pow2(n: int) -> int:
 # Tile shapes: the fastest of the configurations benchmarks/gpu_bench.py and gpu_attention_sweep.py try
 # on one H200 (2026-11-29; docs/gpu.md). Prefill: 333 TFLOP/s. Decode: 64-token KV tiles in two stages
 # read KV at 4.25 TB/s at batch 256 x 2048 and 3.90 at batch 64; the 32-token, three-stage tiles used
-# before read 3.58 / 3.48 (gpu-attention-sweep-2026-11-29.json, session 4). The layout of heads within
-# a block (slots-major or heads-major) changed nothing there, so the cache keeps slots-major.
-# Split-K decode (few sequences): a split of 2,048 / 16 tokens is one 128-token tile, read by a lighter
-# program without a pipeline: 9.5 us per layer at batch 1 against 10.7 with the DECODE_CONFIG tiles.
+# before read 3.58 / 3.48 (gpu-attention-sweep-2026-11-29.json, session 4). A second sweep put 64-token
+# tiles with 2 warps and 3 stages 1 % ahead, within run-to-run noise. The layout of heads within a block
+# (slots-major or heads-major) moved the chosen tiles by at most 2 %, so the cache keeps slots-major.
+# Split-K decode at MAX_SPLITS (the fewest sequences: batch <= 4 on the 8B shape): a split of 2,048 / 16
+# tokens is one 128-token tile, read by a lighter program without a pipeline: 9.5 us per layer at batch 1
+# against 10.7 with the DECODE_CONFIG tiles (gpu-attention-sweep-2-2026-11-29.json). Not measured past
+# 2,048 tokens of context, where a split walks several tiles.
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 # PREFILL_CONFIG's tiles take 160 KiB of shared memory at head_dim 128 (Triton's compile for sm_90): an
 # A100 or H100/H200 holds them, a GPU with ~99 KiB per block (L4, A10G, consumer parts) does not and
@@ -346,7 +349,9 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, query_start_
     seq_lens: [S]; block_tables: [S, width]. max_query_len is a host int (1 = decode-only batch).
     num_decodes: how many leading sequences of a mixed batch have one query token: those get the
     decode kernel (one program per sequence and KV head) instead of the prefill tiles, whose query
-    rows they would fill to 1/BLOCK_Q (compute-bound on padding). Returns [T, heads, dim] in q's dtype."""
+    rows they would fill to 1/BLOCK_Q (compute-bound on padding). Decode programs take sequence i's query
+    from row i without reading query_start_loc: decode sequences must come first, one row each.
+    Returns [T, heads, dim] in q's dtype."""
     num_tokens = q.shape[0]
     num_seqs = seq_lens.shape[0]
     q = _last_dim_contiguous(q)
@@ -366,6 +371,18 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, query_start_
     return out
 
 
+def decode_launch_config(num_splits: int, ieee: bool) -> dict:
+    """Tiles of a decode launch. DECODE_SPLIT_CONFIG only at MAX_SPLITS (the fewest sequences), the case
+    it was measured for: there a split of a 2,048-token context is one 128-token tile. With fewer splits
+    each program walks several tiles, and DECODE_CONFIG's pipeline pays. fp32 (ieee, the tests) keeps
+    the tiles small enough for registers and shared memory."""
+    cfg = dict(DECODE_SPLIT_CONFIG if num_splits == MAX_SPLITS else DECODE_CONFIG)
+    if ieee:
+        cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_stages=max(1, min(cfg["num_stages"], 2)),
+                   num_warps=max(cfg["num_warps"], 4))
+    return cfg
+
+
 def _launch_decode(q, kv_layer, out, query_start_loc, seq_lens, block_tables, block_size, scale,
                    num_decodes: int, num_splits: int | None) -> None:
     """Sequences [0, num_decodes), one query token each (at rows 0 .. num_decodes - 1)."""
@@ -375,11 +392,9 @@ def _launch_decode(q, kv_layer, out, query_start_loc, seq_lens, block_tables, bl
     head_dim_pad = max(16, _next_pow2(head_dim))
     ieee = q.dtype == torch.float32
     if num_splits is None:
-        num_splits = decode_num_splits(num_decodes, num_kv_heads, _num_sms(q.device))
-    cfg = DECODE_SPLIT_CONFIG if num_splits > 1 else DECODE_CONFIG
+        num_splits = decode_num_splits(num_decodes, num_kv_heads, num_sms(q.device))
+    cfg = decode_launch_config(num_splits, ieee)
     block_n, num_stages, num_warps = cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"]
-    if ieee:  # fp32 (tests): keep the tiles small enough for registers and shared memory
-        block_n, num_stages, num_warps = min(block_n, 32), max(1, min(num_stages, 2)), max(num_warps, 4)
     if num_splits > 1:
         part_acc = torch.empty(num_decodes, num_heads, num_splits, head_dim_pad, dtype=torch.float32,
                                device=q.device)
@@ -459,7 +474,7 @@ def max_shared_memory(device: torch.device) -> int:
     return _SHARED_MEMORY[index]
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return NUM_SMS_DEFAULT
     index = device.index if device.index is not None else torch.cuda.current_device()

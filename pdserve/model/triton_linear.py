@@ -7,10 +7,11 @@ call: a program owns BLOCK_N output features and walks the whole K dimension in 
 software-pipelined num_stages deep; no split, no second kernel. The tile product runs on the tensor
 cores with the rows padded to 16 (even for one row: Triton pipelines only the loads that feed a
 tl.dot, and the padding costs nothing in a kernel bound by the weight bytes). Measured on one H200 as
-the model calls them (benchmarks/gpu_gemv_sweep.py, one row): o 10.9 us against cuBLAS's 12.6, down
-34.7 against 35.0 (each after the SwiGLU kernel). qkv, gate_up and lm_head are single cuBLAS kernels
-at 3.1-4.2 TB/s that this kernel does not beat, so they stay on cuBLAS. Forming SwiGLU inside the down
-kernel (one kernel fewer) measured 260-360 us: not done.
+the model calls them (benchmarks/gpu_gemv_sweep.py, one row, each time a graph of calls): o 10.9 us
+against cuBLAS's 12.6; down, with the SwiGLU kernel before it, 34.7 against 35.0. qkv, gate_up and
+lm_head are single cuBLAS kernels at 3.1-4.2 TB/s that this kernel does not beat, so they stay on
+cuBLAS. A variant that formed SwiGLU inside the down kernel (one kernel fewer) measured 260-360 us and
+was dropped (gpu-gemv-call-sites-fused-2026-11-29.json; its code is not kept).
 
 The sums are taken in another order than cuBLAS's, so results differ from F.linear in the last bits:
 model/layers.py routes here only bf16/fp16 (float32 stays on cuBLAS, bit-comparable with transformers).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.model.triton_attention import max_shared_memory
+from pdserve.model import triton_attention
 
 try:
     import triton
@@ -30,7 +31,8 @@ except ImportError:
 
 MAX_ROWS = 16
 # One H200 (gpu_gemv_sweep.py, 2026-11-29): the fastest tiles for the o and down projections of the
-# Llama-3.1-8B shape with one row (11.6 and 31.8 us; cuBLAS 12.6 and 31.9 us, each as two kernels).
+# Llama-3.1-8B shape with one row, in the tile sweep (11.6 and 31.8 us; cuBLAS 12.6 and 31.9 us, each two
+# kernels); the call-site figures in the docstring above are from a later run of the same script.
 CONFIG = {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4}
 
 
@@ -79,12 +81,21 @@ def fits(max_shared_mem: int, cfg: dict | None = None) -> bool:
     return max_shared_mem >= shared_memory_bytes(cfg or CONFIG)
 
 
+def enough_programs(out_features: int, num_sms: int, cfg: dict | None = None) -> bool:
+    """Whether the output features give about one program per SM. A program streams its rows of W at
+    what one SM can pull, so fewer programs leave bandwidth unused (a 896-wide projection would run 28
+    programs on 132 SMs). Measured only on the 8B shapes: 4,096 features, 128 programs on 132 SMs."""
+    return -(-out_features // (cfg or CONFIG)["BLOCK_N"]) >= 0.9 * num_sms
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear_triton serves this product: CUDA, 16-bit floats, 2-D x of 1 .. MAX_ROWS rows,
-    contiguous last dims, a GPU with the shared memory the tiles need."""
+    contiguous last dims, enough output features to fill the GPU, the shared memory the tiles need."""
     return (HAS_TRITON and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.stride(-1) == 1 and weight.stride(-1) == 1 and fits(max_shared_memory(x.device)))
+            and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and enough_programs(weight.shape[0], triton_attention.num_sms(x.device))
+            and fits(triton_attention.max_shared_memory(x.device)))
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -141,7 +141,9 @@ def test_serving_new_batch_shapes_after_start_up_compiles_nothing(tiny_paths):
     specialized on."""
     llm = LLM(tiny_paths["llama"], device="cuda", dtype="bfloat16", block_size=16, num_blocks=512)
     before = _compiled_variants()
-    assert before["attn"] > 0 and before["rope_write_kv"] > 0 and before["gemv"] > 0, before  # ran at start-up
+    # The attention kernels ran at start-up (the small-batch matmul does not run for this 64-wide model:
+    # too few output features, triton_linear.enough_programs; its count must not change either).
+    assert before["attn"] > 0 and before["rope_write_kv"] > 0, before
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for lengths in ([1], [5, 16], [17, 33, 100], [3] * 16, [2, 7, 31, 64, 129, 200] * 3, [250]):
         llm.generate(prompts_of(lengths, seed=len(lengths)), greedy)  # 1..18 sequences, 1..14 blocks wide
