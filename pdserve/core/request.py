@@ -20,11 +20,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = enum.auto()
 
     @property
-    def last_token_in_flight(self) -> bool:
-        """Async scheduling: the step in flight samples the request's last allowed token."""
-        return self.num_output_tokens + self.num_inflight_samples >= self.max_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 

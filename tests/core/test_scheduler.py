@@ -1,5 +1,6 @@
 import pytest
 
+from pdserve.core.batch import PLACEHOLDER_TOKEN_ID
 from pdserve.core.request import Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
 
@@ -199,7 +200,7 @@ def test_async_scheduling_never_schedules_past_max_tokens():
     s.add_request(req("a", 4, max_tokens=2))
     out1 = s.schedule()                          # the prompt; samples token 1
     out2 = s.schedule()                          # step 1 in flight: the decode of token 2
-    assert [len(i.token_ids) for i in out2.scheduled] == [1] and out2.scheduled[0].token_ids == [-1]
+    assert [len(i.token_ids) for i in out2.scheduled] == [1] and out2.scheduled[0].token_ids == [PLACEHOLDER_TOKEN_ID]
     out3 = s.schedule()                          # token 2 is the last: nothing more to run
     assert out3.is_empty
     runner = FakeRunner(64)

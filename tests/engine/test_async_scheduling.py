@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.core.batch import PLACEHOLDER_TOKEN_ID
 from pdserve.engine.llm import LLM
 from pdserve.sampling_params import SamplingParams
 
@@ -33,7 +34,7 @@ def test_same_outputs_as_synchronous_loop(default_llm):
     launch = default_llm.engine.runner.launch
 
     def spying_launch(out):
-        placeholders.extend(s.request_id for s in out.scheduled if s.token_ids == [-1])
+        placeholders.extend(s.request_id for s in out.scheduled if s.token_ids == [PLACEHOLDER_TOKEN_ID])
         return launch(out)
     default_llm.engine.runner.launch = spying_launch
     try:
