@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from gpu_bench import HBM_BYTES_PER_S, gpu_median, machine, print_rows, today, write_json
+from gpu_bench import HBM_BYTES_PER_S, gpu_median, graph_median, machine, print_rows, today, write_json
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 CONTEXT = 2048
@@ -62,14 +61,7 @@ def time_config(ta, q, cache, md, layers, splits=None) -> float:
         for i in range(layers):
             ta.paged_attention_triton(q, cache[:, i], md.query_start_loc, md.seq_lens, md.block_tables, BLOCK,
                                       DIM ** -0.5, 1, splits)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    t = gpu_median(graph.replay, 15) / layers
-    del graph
-    return t
+    return graph_median(run, 15) / layers
 
 
 def copy_and_read_bandwidth() -> tuple[float, float]:

@@ -91,6 +91,20 @@ def gpu_median(fn, iters: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def graph_median(run, iters: int) -> float:
+    """Median seconds of one replay of a CUDA graph of run() (run once before capture: compiles,
+    workspaces). Kernels shorter than their launch from Python must be timed this way."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    try:
+        return gpu_median(graph.replay, iters)
+    finally:
+        del graph
+
+
 class Shape:
     """Byte and FLOP counts of a model (see the module docstring)."""
 
@@ -218,7 +232,9 @@ def bench_kernels(quick: bool) -> dict:
         for splits in sorted({None, 1}, key=str):
             t = bench(triton_fn(q, kv, md, splits))
             actual = splits or ta.decode_num_splits(n, 8, torch.cuda.get_device_properties(0).multi_processor_count)
-            result["decode"].append({"impl": f"triton {best[1]} splits={actual}", "batch": n, "context": 2048,
+            # (at MAX_SPLITS the split-K tiles run, not the winner: decode_launch_config says which)
+            result["decode"].append({"impl": f"triton {ta.decode_launch_config(actual, False)} splits={actual}",
+                                     "batch": n, "context": 2048,
                                      "us": t * 1e6, "kv_gbps": n * 2048 * 2 * 8 * 128 * 2 / t / 1e9})
 
     # Prefill: 1 x 8192 and 4 x 2048 (no cached prefix) and 4 x 1024 over a 1024 prefix.
@@ -283,15 +299,9 @@ def bench_splits(quick: bool) -> dict:
                 for _ in range(32):
                     ta.paged_attention_triton(q, kv, md.query_start_loc, md.seq_lens, md.block_tables,
                                               md.block_size, 128 ** -0.5, 1, splits)
-            layers()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                layers()
-            t = gpu_median(graph.replay, 10 if quick else 30) / 32
+            t = graph_median(layers, 10 if quick else 30) / 32
             rows.append({"batch": n, "splits": splits, "chosen_now": splits == chosen, "us_per_layer": t * 1e6,
                          "kv_gbps": n * 2048 * 2 * 8 * 128 * 2 / t / 1e9})
-            del graph
     print_rows("decode attention: split-K factor (per layer, in a graph of 32 calls, 2,048 context)", rows)
     return {"date": today(), "machine": machine(), "max_splits_now": ta.MAX_SPLITS, "rows": rows}
 

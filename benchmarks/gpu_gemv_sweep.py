@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpu_bench import HBM_BYTES_PER_S, gpu_median, machine, print_rows, today, write_json
+from gpu_bench import HBM_BYTES_PER_S, graph_median, machine, print_rows, today, write_json
 
 SHAPES = {"qkv": (6144, 4096, 32), "o": (4096, 4096, 32), "gate_up": (28672, 4096, 32),
           "down": (4096, 14336, 32), "lm_head": (128256, 4096, 1)}  # name: (N, K, calls per step)
@@ -35,14 +35,7 @@ def time_calls(fn, x, weights) -> float:
     def run():
         for w in weights:
             fn(x, w)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    t = gpu_median(graph.replay, 15) / len(weights)
-    del graph
-    return t
+    return graph_median(run, 15) / len(weights)
 
 
 def cublas_kernels(x, w) -> list[str]:
