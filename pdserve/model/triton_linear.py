@@ -10,8 +10,8 @@ tl.dot, and the padding costs nothing in a kernel bound by the weight bytes). Me
 the model calls them (benchmarks/gpu_gemv_sweep.py, one row, each time a graph of calls): o 10.9 us
 against cuBLAS's 12.6; down, with the SwiGLU kernel before it, 34.7 against 35.0. qkv, gate_up and
 lm_head are single cuBLAS kernels at 3.1-4.2 TB/s that this kernel does not beat, so they stay on
-cuBLAS. A variant that formed SwiGLU inside the down kernel (one kernel fewer) measured 260-360 us and
-was dropped (gpu-gemv-call-sites-fused-2026-11-29.json; its code is not kept).
+cuBLAS. A variant that formed SwiGLU inside the down kernel (one kernel fewer) was several times
+slower in a trial and was dropped (docs/gpu.md).
 
 The sums are taken in another order than cuBLAS's, so results differ from F.linear in the last bits:
 model/layers.py routes here only bf16/fp16 (float32 stays on cuBLAS, bit-comparable with transformers).
