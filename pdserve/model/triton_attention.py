@@ -52,10 +52,13 @@ def _next_pow2(n: int) -> int:
 # before read 3.58 / 3.48 (gpu-attention-sweep-2026-11-29.json, session 4). A second sweep put 64-token
 # tiles with 2 warps and 3 stages 1 % ahead, within run-to-run noise. The layout of heads within a block
 # (slots-major or heads-major) moved the chosen tiles by at most 2 %, so the cache keeps slots-major.
-# Split-K decode at MAX_SPLITS (the fewest sequences: batch <= 4 on the 8B shape): a split of 2,048 / 16
-# tokens is one 128-token tile, read by a lighter program without a pipeline: 9.5 us per layer at batch 1
-# against 10.7 with the DECODE_CONFIG tiles (gpu-attention-sweep-2-2026-11-29.json). Not measured past
-# 2,048 tokens of context, where a split walks several tiles.
+# Split-K decode (batch <= 4 on the 8B shape, at least SPLIT_CONFIG_MIN_SPLITS splits): light programs
+# without a pipeline over 64-token tiles, with up to 64 splits at batch 1. The split count is fixed per
+# batch size (a captured graph serves any context), so a split walks ceil(tiles / splits) tiles and the
+# time steps up wherever that grows: 16 splits of 128-token tiles took 9.4 us per layer at batch 1 and
+# 2,048 tokens but 13.2 at 2,064 and 24.3 at 8,192; 64 splits of 64-token tiles take 9.1, 9.2 and 15.8.
+# At batch 4 (16 splits) the 64-token tiles won at every context up to 4,096 and were within 8 % past
+# it (gpu-split-sweep-2026-11-30.json: 12 tile/split choices x 7 contexts, 32 distinct layers).
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 # PREFILL_CONFIG's tiles take 160 KiB of shared memory at head_dim 128 (Triton's compile for sm_90): an
 # A100 or H100/H200 holds them, a GPU with ~99 KiB per block (L4, A10G, consumer parts) does not and
@@ -63,8 +66,9 @@ PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 
 PREFILL_SHARED_BYTES = 163_840
 PREFILL_CONFIG_SMALL_SMEM = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-DECODE_SPLIT_CONFIG = {"BLOCK_N": 128, "num_warps": 2, "num_stages": 1}
-MAX_SPLITS = 16
+DECODE_SPLIT_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 1}
+SPLIT_CONFIG_MIN_SPLITS = 16
+MAX_SPLITS = 64
 NUM_SMS_DEFAULT = 132
 
 
@@ -372,11 +376,11 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, query_start_
 
 
 def decode_launch_config(num_splits: int, ieee: bool) -> dict:
-    """Tiles of a decode launch. DECODE_SPLIT_CONFIG only at MAX_SPLITS (the fewest sequences), the case
-    it was measured for: there a split of a 2,048-token context is one 128-token tile. With fewer splits
-    each program walks several tiles, and DECODE_CONFIG's pipeline pays. fp32 (ieee, the tests) keeps
-    the tiles small enough for registers and shared memory."""
-    cfg = dict(DECODE_SPLIT_CONFIG if num_splits == MAX_SPLITS else DECODE_CONFIG)
+    """Tiles of a decode launch. DECODE_SPLIT_CONFIG from SPLIT_CONFIG_MIN_SPLITS splits on (the fewest
+    sequences), where a split of a few-thousand-token context is one or two tiles; with fewer splits each
+    program walks many tiles, and DECODE_CONFIG's pipeline pays. fp32 (ieee, the tests) keeps the tiles
+    small enough for registers and shared memory."""
+    cfg = dict(DECODE_SPLIT_CONFIG if num_splits >= SPLIT_CONFIG_MIN_SPLITS else DECODE_CONFIG)
     if ieee:
         cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_stages=max(1, min(cfg["num_stages"], 2)),
                    num_warps=max(cfg["num_warps"], 4))

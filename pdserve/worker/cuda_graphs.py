@@ -90,9 +90,10 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
             seq_lens: list[int], block_tables: torch.Tensor,
-            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            fill: tuple[torch.Tensor | slice, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode token per sequence; block_tables: [n, width] int32 on the host (pinned on CUDA).
-        fill: (rows, token ids) on the device, written over input_ids' placeholders at those rows.
+        fill: (rows: a slice or an index tensor on the device, token ids on the device), written
+        over input_ids' placeholders at those rows.
         Returns the logits [n, vocab] (a view of the graph's output, valid until the next replay)."""
         num_seqs = len(input_ids)
         size = self.bucket(num_seqs)

@@ -70,6 +70,12 @@ class StepHandle:
 NOTHING_LAUNCHED = StepHandle([], None, None, None)
 
 
+def contiguous_run(values: list[int]) -> slice | None:
+    """values as a slice when they are consecutive ascending integers, else None."""
+    first = values[0]
+    return slice(first, first + len(values)) if values == list(range(first, first + len(values))) else None
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -217,8 +223,14 @@ class ModelRunner:
                 logits_rows.append(query_start_loc[-1] - 1)
         fill = None
         if fill_rows:
-            fill = (to_device(fill_rows, torch.long, self.device),
-                    self._previous.tokens[to_device(fill_from, torch.long, self.device)])
+            rows, source = contiguous_run(fill_rows), contiguous_run(fill_from)
+            if rows is not None and source is not None:
+                # The usual decode step: the same requests in the same order as the step before, so
+                # one device copy, with no index lists to upload and no gather kernel.
+                fill = (rows, self._previous.tokens[source])
+            else:
+                fill = (to_device(fill_rows, torch.long, self.device),
+                        self._previous.tokens[to_device(fill_from, torch.long, self.device)])
 
         sample_items = [item for item in scheduled if item.do_sample]
         graphs = self.decode_graphs

@@ -7,13 +7,17 @@ import pytest
 from pdserve.core.batch import PLACEHOLDER_TOKEN_ID
 from pdserve.engine.llm import LLM
 from pdserve.sampling_params import SamplingParams
+from pdserve.worker import model_runner
+from pdserve.worker.model_runner import contiguous_run as model_runner_contiguous_run
 
 PROMPTS = ["The capital of France is", "def reverse(s):", "Once upon a time", "1, 2, 3, 4,",
            "A haiku about the sea:", "The three primary colours are"]
 
 
 def _params():
-    return [SamplingParams(max_tokens=3 + 6 * i, temperature=0.0) for i in range(3)] + [
+    # The shortest request second: it finishes between two others, which leaves a gap in the rows
+    # the next step fills its placeholders from.
+    return [SamplingParams(max_tokens=n, temperature=0.0) for n in (9, 3, 15)] + [
         SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7),       # seeded: reproducible
         SamplingParams(max_tokens=24, temperature=0.0, stop=[" the", "\n"]),      # a stop string
         SamplingParams(max_tokens=1, temperature=0.0)]                           # done after its prompt
@@ -28,7 +32,7 @@ def _run(llm, async_scheduling: bool, params=None):
         llm.engine.async_scheduling = False
 
 
-def test_same_outputs_as_synchronous_loop(default_llm):
+def test_same_outputs_as_synchronous_loop(default_llm, monkeypatch):
     sync = _run(default_llm, False)
     placeholders = []
     launch = default_llm.engine.runner.launch
@@ -36,12 +40,18 @@ def test_same_outputs_as_synchronous_loop(default_llm):
     def spying_launch(out):
         placeholders.extend(s.request_id for s in out.scheduled if s.token_ids == [PLACEHOLDER_TOKEN_ID])
         return launch(out)
+    runs = []
+    monkeypatch.setattr(model_runner, "contiguous_run",
+                        lambda values: runs.append(model_runner_contiguous_run(values)) or runs[-1])
     default_llm.engine.runner.launch = spying_launch
     try:
         assert _run(default_llm, True) == sync
     finally:
         del default_llm.engine.runner.launch
     assert placeholders  # decodes really were launched before their input token had landed
+    # Both ways of filling placeholders ran: one copy of a run of rows, and an index where requests
+    # finished between the steps and left gaps.
+    assert any(isinstance(r, slice) for r in runs) and None in runs
     assert not default_llm.engine.step_in_flight
     kv = default_llm.engine.scheduler.kv
     assert not kv.req_to_blocks and kv.num_free_blocks == kv.pool.num_blocks
@@ -96,3 +106,11 @@ def test_default_is_off_on_cpu(flag, expected):
     from pdserve.engine.engine_core import EngineCore
     assert EngineCore.resolve_async_scheduling(config.scheduler.async_scheduling, "cpu") is expected
     assert EngineCore.resolve_async_scheduling(None, "cuda") is True
+
+
+def test_contiguous_run():
+    assert model_runner_contiguous_run([3]) == slice(3, 4)
+    assert model_runner_contiguous_run([0, 1, 2]) == slice(0, 3)
+    assert model_runner_contiguous_run([0, 2, 1]) is None
+    assert model_runner_contiguous_run([0, 1, 3]) is None
+    assert model_runner_contiguous_run([2, 1, 0]) is None

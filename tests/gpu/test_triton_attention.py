@@ -108,7 +108,7 @@ def test_shapes_match_reference(num_heads, num_kv_heads, head_dim, block_size):
         assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 4, 16])
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 16, 64])
 def test_split_k_decode_matches_reference(num_splits):
     seq_lens = [1, 15, 16, 17, 100, 1000, 2049]
     for dtype in DTYPES:

@@ -51,7 +51,7 @@ def test_rope_write_kv_kernel_compiles(dtype, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype, ieee", [("bf16", False), ("fp32", True)])
-@pytest.mark.parametrize("is_decode, block_q, num_splits", [(True, 1, 1), (True, 1, 4), (True, 1, 16),
+@pytest.mark.parametrize("is_decode, block_q, num_splits", [(True, 1, 1), (True, 1, 4), (True, 1, 16), (True, 1, 64),
                                                             (False, 32, 1), (False, 2, 1)])
 def test_attention_kernels_compile(dtype, ieee, is_decode, block_q, num_splits):
     if is_decode:
