@@ -7,7 +7,9 @@ the graph replay alone; the replay after its input copies (DecodeGraphs.run); af
 the placeholder fill the engine does; after a small kernel or one memcpy alone (is the cost the copy
 engine or any op?); after the inputs staged by a kernel that reads pinned host memory directly
 (zero-copy: no copy engine). Then the greedy argmax over the vocabulary (torch vs two passes) at
-batch 1, 64, 256 in a graph, and EngineCore.step() at batch 1 with either argmax, alternated.
+batch 1, 64, 256 in a graph; and EngineCore.step() at batch 1 before and after session 5's three
+changes (64 splits of 64-token tiles, the two-pass argmax, the placeholder fill as one copy), added one
+at a time and alternated over two rounds, below and just past 2,048 tokens of context.
 Writes gpu-step-overhead-<date>.json.
 """
 from __future__ import annotations
@@ -133,10 +135,23 @@ def main() -> None:
             f"two passes ({chunks} chunks)": graph_median(lambda: sampler.two_pass_argmax(logits, chunks), 50) * 1e6}
         print(batch, result["argmax_us"][str(batch)], flush=True)
 
-    # EngineCore.step() at batch 1 in two context windows: below 2,048 tokens and just past it (where a
-    # split of the attention walks a second key tile), each with either argmax, alternated.
+    # EngineCore.step() at batch 1, in two context windows (below 2,048 tokens, and just past it where
+    # a 128-token split walked a second tile), before and after session 5's changes, one at a time.
+    from pdserve.model import triton_attention as ta
+    from pdserve.worker import model_runner
+    new_split = (ta.MAX_SPLITS, dict(ta.DECODE_SPLIT_CONFIG))
+    old_split = (16, {"BLOCK_N": 128, "num_warps": 2, "num_stages": 1})
+    two_pass, contiguous_run = sampler.argmax_rows, model_runner.contiguous_run
+    torch_argmax = lambda logits: logits.argmax(dim=-1)  # noqa: E731
+    no_run = lambda values: None  # noqa: E731
+    variants = {  # cumulative: (splits, argmax, fill)
+        "session 4: 16 splits x 128-token tiles, torch.argmax, indexed fill": (old_split, torch_argmax, no_run),
+        "+ 64 splits x 64-token tiles": (new_split, torch_argmax, no_run),
+        "+ two-pass argmax": (new_split, two_pass, no_run),
+        "+ placeholder fill as one copy (session 5)": (new_split, two_pass, contiguous_run),
+    }
     params = SamplingParams(max_tokens=100000, temperature=0.0, ignore_eos=True)
-    engine.add_request("b1", random_prompts(1, 1990, vocab)[0], params)
+    engine.add_request("b1", random_prompts(1, 1880, vocab)[0], params)
     request = engine.scheduler.requests["b1"]
     while request.num_output_tokens < 2:
         engine.step()
@@ -149,22 +164,27 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / n * 1e3
 
-    two_pass = sampler.argmax_rows
-    torch_argmax = lambda logits: logits.argmax(dim=-1)  # noqa: E731
-    for window in ("2000-2040", "2060-2100"):
+    captured = None
+    for window in ("1890-2040", "2060-2210"):
         low = int(window.split("-")[0])
         while request.num_tokens < low:
             engine.step()
-        times = {"torch.argmax": [], "two passes": []}
+        times = {name: [] for name in variants}
         for _ in range(2):
-            for name, fn in (("torch.argmax", torch_argmax), ("two passes", two_pass)):
-                sampler.argmax_rows = fn
-                steps_ms(2)
-                times[name].append(steps_ms(8))
-        sampler.argmax_rows = two_pass
+            for name, (split, argmax, fill) in variants.items():
+                if split != captured:
+                    torch.cuda.synchronize()  # the step in flight has run: its graph can go
+                    ta.MAX_SPLITS, ta.DECODE_SPLIT_CONFIG = split[0], dict(split[1])
+                    runner.capture_decode_graphs()
+                    captured = split
+                sampler.argmax_rows, model_runner.contiguous_run = argmax, fill
+                steps_ms(3)
+                times[name].append(steps_ms(15))
         result["engine_step_ms"][window] = {"rounds": times, "min": {k: min(v) for k, v in times.items()},
                                             "context_after": request.num_tokens}
-        print(window, result["engine_step_ms"][window], flush=True)
+        print(window, result["engine_step_ms"][window]["min"], flush=True)
+    ta.MAX_SPLITS, ta.DECODE_SPLIT_CONFIG = new_split[0], dict(new_split[1])
+    sampler.argmax_rows, model_runner.contiguous_run = two_pass, contiguous_run
     engine.abort(["b1"])
     write_json(args.out_dir, f"gpu-step-overhead-{today()}.json", result)
 
