@@ -6,10 +6,12 @@ Times back-to-back iterations (the host queues them all, as async scheduling doe
 the graph replay alone; the replay after its input copies (DecodeGraphs.run); after the copies and
 the placeholder fill the engine does; after a small kernel or one memcpy alone (is the cost the copy
 engine or any op?); after the inputs staged by a kernel that reads pinned host memory directly
-(zero-copy: no copy engine). Then the greedy argmax over the vocabulary (torch vs two passes) at
-batch 1, 64, 256 in a graph; and EngineCore.step() at batch 1 before and after session 5's three
-changes (64 splits of 64-token tiles, the two-pass argmax, the placeholder fill as one copy), added one
-at a time and alternated over two rounds, below and just past 2,048 tokens of context.
+(zero-copy: no copy engine). Then, each in a CUDA graph: the greedy argmax over the vocabulary
+(torch, two passes of torch ops, model/triton_argmax.py) at batch 1, 64, 256, and the residual add +
+RMSNorm (the torch.compile kernel, model/triton_norm.py) at 1 to 8,192 rows. Last, EngineCore.step()
+at batch 1 before and after session 5's changes (64 splits of 64-token tiles, the argmax, the
+placeholder fill as one copy, the RMSNorm kernel), added one at a time and alternated over two
+rounds, below and just past 2,048 tokens of context.
 Writes gpu-step-overhead-<date>.json.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+from pdserve.model import layers, triton_argmax, triton_norm
 
 from gpu_bench import MODEL, graph_median, machine, random_prompts, today, write_json
 
@@ -36,6 +40,16 @@ def kernel_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst.copy_(src) by a kernel; src may be pinned host memory (read over PCIe by the SMs)."""
     n = src.numel()
     _copy_kernel[(triton.cdiv(n, 1024),)](src, dst, n, BLOCK=1024)
+
+
+def two_pass_argmax(logits: torch.Tensor, chunks: int = 256) -> torch.Tensor:
+    """Session 5 run 1's greedy argmax at <= 16 rows, in torch ops: the first maximum of each of 256
+    chunks, then the first chunk holding the row's maximum (the vocabulary a multiple of 256)."""
+    rows, vocab_size = logits.shape
+    width = vocab_size // chunks
+    values, within = logits.view(rows, chunks, width).max(dim=-1)
+    best = values.argmax(dim=-1, keepdim=True)
+    return (best * width + within.gather(1, best)).squeeze(1)
 
 
 def per_iteration_ms(fn, iters: int = 60) -> float:
@@ -127,13 +141,23 @@ def main() -> None:
 
     for batch in (1, 64, 256):
         logits = torch.randn(batch, vocab, device="cuda")
-        chunks = sampler._argmax_chunks(vocab)
         ref = logits.argmax(-1)
-        assert torch.equal(sampler.two_pass_argmax(logits, chunks), ref)
+        assert torch.equal(two_pass_argmax(logits), ref) and torch.equal(triton_argmax.argmax_triton(logits), ref)
         result["argmax_us"][str(batch)] = {
             "torch.argmax": graph_median(lambda: logits.argmax(-1), 50) * 1e6,
-            f"two passes ({chunks} chunks)": graph_median(lambda: sampler.two_pass_argmax(logits, chunks), 50) * 1e6}
+            "two passes of torch ops (session 5 run 1)": graph_median(lambda: two_pass_argmax(logits), 50) * 1e6,
+            "triton_argmax (now)": graph_median(lambda: triton_argmax.argmax_triton(logits), 50) * 1e6}
         print(batch, result["argmax_us"][str(batch)], flush=True)
+
+    hidden = runner.model.config.hidden_size
+    result["rms_norm_us"] = {}
+    for rows in (1, 64, 256, 8192):
+        x, residual = (torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+        result["rms_norm_us"][str(rows)] = {
+            "torch.compile add_rms_norm": graph_median(lambda: layers.add_rms_norm(x, residual, weight, 1e-5), 50) * 1e6,
+            "triton_norm (now)": graph_median(lambda: triton_norm.rms_norm_triton(x, weight, 1e-5, residual), 50) * 1e6}
+        print(rows, result["rms_norm_us"][str(rows)], flush=True)
 
     # EngineCore.step() at batch 1, in two context windows (below 2,048 tokens, and just past it where
     # a 128-token split walked a second tile), before and after session 5's changes, one at a time.
@@ -141,17 +165,20 @@ def main() -> None:
     from pdserve.worker import model_runner
     new_split = (ta.MAX_SPLITS, dict(ta.DECODE_SPLIT_CONFIG))
     old_split = (16, {"BLOCK_N": 128, "num_warps": 2, "num_stages": 1})
-    two_pass, contiguous_run = sampler.argmax_rows, model_runner.contiguous_run
+    triton_rows, contiguous_run = sampler.argmax_rows, model_runner.contiguous_run
     torch_argmax = lambda logits: logits.argmax(dim=-1)  # noqa: E731
+    two_pass = lambda logits: two_pass_argmax(logits) if logits.shape[0] <= 16 else logits.argmax(-1)  # noqa: E731
     no_run = lambda values: None  # noqa: E731
-    variants = {  # cumulative: (splits, argmax, fill)
-        "session 4: 16 splits x 128-token tiles, torch.argmax, indexed fill": (old_split, torch_argmax, no_run),
-        "+ 64 splits x 64-token tiles": (new_split, torch_argmax, no_run),
-        "+ two-pass argmax": (new_split, two_pass, no_run),
-        "+ placeholder fill as one copy (session 5)": (new_split, two_pass, contiguous_run),
+    variants = {  # cumulative: (splits, Triton RMSNorm, argmax, fill)
+        "session 4: 16 splits x 128-token tiles, torch.argmax, indexed fill": (old_split, False, torch_argmax, no_run),
+        "+ 64 splits x 64-token tiles": (new_split, False, torch_argmax, no_run),
+        "+ two-pass argmax": (new_split, False, two_pass, no_run),
+        "+ placeholder fill as one copy (session 5 run 1)": (new_split, False, two_pass, contiguous_run),
+        "+ triton_argmax instead of two passes": (new_split, False, triton_rows, contiguous_run),
+        "+ triton_norm (now)": (new_split, True, triton_rows, contiguous_run),
     }
     params = SamplingParams(max_tokens=100000, temperature=0.0, ignore_eos=True)
-    engine.add_request("b1", random_prompts(1, 1880, vocab)[0], params)
+    engine.add_request("b1", random_prompts(1, 1840, vocab)[0], params)
     request = engine.scheduler.requests["b1"]
     while request.num_output_tokens < 2:
         engine.step()
@@ -165,26 +192,28 @@ def main() -> None:
         return (time.perf_counter() - start) / n * 1e3
 
     captured = None
-    for window in ("1890-2040", "2060-2210"):
+    for window in ("1850-2040", "2060-2250"):
         low = int(window.split("-")[0])
         while request.num_tokens < low:
             engine.step()
         times = {name: [] for name in variants}
         for _ in range(2):
-            for name, (split, argmax, fill) in variants.items():
-                if split != captured:
+            for name, (split, norm, argmax, fill) in variants.items():
+                if (split, norm) != captured:
                     torch.cuda.synchronize()  # the step in flight has run: its graph can go
                     ta.MAX_SPLITS, ta.DECODE_SPLIT_CONFIG = split[0], dict(split[1])
+                    layers.TRITON_RMS_NORM = norm
                     runner.capture_decode_graphs()
-                    captured = split
+                    captured = (split, norm)
                 sampler.argmax_rows, model_runner.contiguous_run = argmax, fill
                 steps_ms(3)
-                times[name].append(steps_ms(15))
+                times[name].append(steps_ms(10))
         result["engine_step_ms"][window] = {"rounds": times, "min": {k: min(v) for k, v in times.items()},
                                             "context_after": request.num_tokens}
         print(window, result["engine_step_ms"][window]["min"], flush=True)
     ta.MAX_SPLITS, ta.DECODE_SPLIT_CONFIG = new_split[0], dict(new_split[1])
-    sampler.argmax_rows, model_runner.contiguous_run = two_pass, contiguous_run
+    layers.TRITON_RMS_NORM = True
+    sampler.argmax_rows, model_runner.contiguous_run = triton_rows, contiguous_run
     engine.abort(["b1"])
     write_json(args.out_dir, f"gpu-step-overhead-{today()}.json", result)
 

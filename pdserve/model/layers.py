@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model import triton_linear
+from pdserve.model import triton_linear, triton_norm
 
 
 # Small-batch o/down projections through model/triton_linear.py on CUDA in bf16/fp16 (see there);
@@ -108,6 +108,11 @@ add_rms_norm = _fused_on_cuda(_add_rms_norm)
 silu_and_mul = _fused_on_cuda(_silu_and_mul)
 
 
+# 16-bit RMSNorm (and its residual add) of 2-D rows through model/triton_norm.py on CUDA;
+# PDSERVE_TRITON_RMS_NORM=0 keeps the torch.compile kernel.
+TRITON_RMS_NORM = os.environ.get("PDSERVE_TRITON_RMS_NORM", "1") == "1"
+
+
 class RMSNorm(nn.Module):
     """RMSNorm; given the residual stream too, it first adds x to it and returns (normed, new residual)."""
 
@@ -117,6 +122,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if TRITON_RMS_NORM and FUSE_SMALL_OPS and triton_norm.supports(x, self.weight, residual):
+            return triton_norm.rms_norm_triton(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

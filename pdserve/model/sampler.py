@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pdserve.model import triton_argmax
 from pdserve.model.host_copy import to_device
 
 Values = torch.Tensor | Sequence[float]
@@ -43,42 +44,17 @@ def sample(logits: torch.Tensor, temperatures: Values, top_ps: Values, top_ks: V
         logits = apply_top_k_top_p(logits, _as_tensor(top_ks, torch.int64, device),
                                    _as_tensor(top_ps, torch.float32, device))
     probs = logits.softmax(dim=-1)  # [N, V]
-    sampled_ids = (probs / _exponential_noise(probs.shape, generators, device)).argmax(dim=-1)
+    sampled_ids = argmax_rows(probs / _exponential_noise(probs.shape, generators, device))
     return sampled_ids if greedy_ids is None else torch.where(is_greedy, greedy_ids, sampled_ids)
 
 
-# Two passes win only while rows are few: one H200, a 128,256-wide vocabulary, in a CUDA graph
-# (gpu_step_overhead.py, 2026-11-30): 17 vs 32 us at 1 row, equal at 64, 82 vs 53 us at 256.
-TWO_PASS_MAX_ROWS = 16
-
-
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1), the first index of each row's maximum. On CUDA torch reduces a row in one
-    thread block, so one row of a large vocabulary leaves the GPU nearly idle; two passes over chunks
-    spread a row over many blocks."""
-    few_rows = logits.is_cuda and logits.shape[0] <= TWO_PASS_MAX_ROWS
-    chunks = _argmax_chunks(logits.shape[-1]) if few_rows else None
-    return logits.argmax(dim=-1) if chunks is None else two_pass_argmax(logits, chunks)
-
-
-def _argmax_chunks(vocab_size: int) -> int | None:
-    """The most chunks (up to 256, a power of two) that divide the vocabulary evenly and stay at least
-    256 wide; None for a vocabulary too small to gain."""
-    for chunks in (256, 128, 64, 32, 16):
-        if vocab_size % chunks == 0 and vocab_size // chunks >= 256:
-            return chunks
-    return None
-
-
-def two_pass_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
-    """The first maximum of each chunk, then the first chunk holding the row's maximum: the same index
-    as logits.argmax(-1), ties and NaN included (both passes take the first maximum, a NaN counts as
-    the maximum in each). logits: [N, V] with V divisible by chunks."""
-    rows, vocab_size = logits.shape
-    width = vocab_size // chunks
-    values, within = logits.view(rows, chunks, width).max(dim=-1)  # [N, chunks] each
-    best = values.argmax(dim=-1, keepdim=True)                     # [N, 1]
-    return (best * width + within.gather(1, best)).squeeze(1)
+    """logits.argmax(-1), the first index of each row's maximum. On CUDA through
+    model/triton_argmax.py: torch reduces a row in one thread block, so few rows of a large
+    vocabulary leave the GPU nearly idle."""
+    if triton_argmax.supports(logits):
+        return triton_argmax.argmax_triton(logits)
+    return logits.argmax(dim=-1)
 
 
 class Sampler(nn.Module):

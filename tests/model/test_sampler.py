@@ -1,5 +1,4 @@
 """sample(): greedy exactness, per-request seeds independent of the batch, top-k / top-p cuts."""
-import pytest
 import torch
 
 from pdserve.model.sampler import Sampler, sample
@@ -78,29 +77,3 @@ def test_sampling_follows_the_cut_distribution():
     assert abs((top_k_2 == 0).float().mean().item() - 0.625) < 0.03  # 0.5 / (0.5 + 0.3)
     top_p = sample(logits, [1.0] * num_rows, [0.75] * num_rows, [0] * num_rows, [None] * num_rows)
     assert set(top_p.tolist()) == {0, 1}  # 0.5 + 0.3 is the smallest set holding 0.75
-
-
-@pytest.mark.parametrize("rows, vocab", [(1, 128256), (5, 49152), (3, 4096)])
-def test_two_pass_argmax_is_torch_argmax_ties_included(rows, vocab):
-    """The CUDA greedy path's two-pass argmax gives torch.argmax's index: the first maximum, also when
-    the maximum repeats within a chunk, across chunks, and when a row holds a NaN."""
-    from pdserve.model.sampler import _argmax_chunks, two_pass_argmax
-    gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(rows, vocab, generator=gen)
-    chunks = _argmax_chunks(vocab)
-    assert chunks is not None
-    width = vocab // chunks
-    peak = logits.max() + 1
-    logits[0, [width + 3, width + 7, 5 * width]] = peak   # ties inside a chunk and across chunks
-    if rows > 1:
-        logits[1, [vocab - 1, 2 * width]] = peak
-    if rows > 2:
-        logits[2, 10] = float("nan")
-    assert torch.equal(two_pass_argmax(logits, chunks), logits.argmax(-1))
-
-
-def test_argmax_chunks():
-    from pdserve.model.sampler import _argmax_chunks
-    assert _argmax_chunks(128256) == 256     # Llama 3: 501 wide
-    assert _argmax_chunks(151936) == 128     # Qwen: 1,187 wide
-    assert _argmax_chunks(1000) is None      # too small to gain

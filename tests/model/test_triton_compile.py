@@ -12,9 +12,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from pdserve.model import triton_attention as ta  # noqa: E402
-from pdserve.model import triton_linear  # noqa: E402
+from pdserve.model import triton_argmax, triton_linear, triton_norm  # noqa: E402
 
-FLOATS = {"scale_log2"}
+FLOATS = {"scale_log2", "eps"}
 
 
 def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, aligned: tuple[str, ...] = (),
@@ -111,3 +111,19 @@ def test_prefill_tiles_fit_the_shared_memory_they_are_chosen_for():
         shared[name] = kernel.metadata.shared
     assert shared["default"] == ta.PREFILL_SHARED_BYTES
     assert shared["small"] <= 101_376
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_argmax_kernels_compile(dtype):
+    compile_for_hopper(triton_argmax._chunk_argmax_kernel,
+                       {"default": f"*{dtype}", "val_ptr": "*fp32", "idx_ptr": "*i32"},
+                       dict(CHUNK=triton_argmax.CHUNK), num_warps=4)
+    compile_for_hopper(triton_argmax._row_argmax_kernel,
+                       {"default": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"}, dict(BLOCK=128), num_warps=4)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_kernel_compiles(dtype, residual):
+    compile_for_hopper(triton_norm._rms_norm_kernel, {"default": f"*{dtype}"},
+                       dict(HAS_RESIDUAL=residual, BLOCK=4096), num_warps=8)
