@@ -59,7 +59,7 @@ if HAS_TRITON:
 
 
 def supports(x: torch.Tensor) -> bool:
-    return (HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and x.stride(-1) == 1
+    return (HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0 and x.stride(-1) == 1
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and triton.cdiv(x.shape[1], CHUNK) <= MAX_CHUNKS)
 

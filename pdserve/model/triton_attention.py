@@ -376,10 +376,11 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, query_start_
 
 
 def decode_launch_config(num_splits: int, ieee: bool) -> dict:
-    """Tiles of a decode launch. DECODE_SPLIT_CONFIG from SPLIT_CONFIG_MIN_SPLITS splits on (the fewest
-    sequences), where a split of a few-thousand-token context is one or two tiles; with fewer splits each
-    program walks many tiles, and DECODE_CONFIG's pipeline pays. fp32 (ieee, the tests) keeps the tiles
-    small enough for registers and shared memory."""
+    """Tiles of a decode launch. DECODE_SPLIT_CONFIG from SPLIT_CONFIG_MIN_SPLITS splits on (batch <= 4 on
+    the 8B shape), where a split of a 2,048-token context is one to two tiles (batch 1 to 4) and light
+    programs won in the sweep (batches 1 and 4 measured, 2 between them); with fewer splits each program
+    walks many tiles, and DECODE_CONFIG's pipeline pays. fp32 (ieee, the tests) keeps the tiles small
+    enough for registers and shared memory."""
     cfg = dict(DECODE_SPLIT_CONFIG if num_splits >= SPLIT_CONFIG_MIN_SPLITS else DECODE_CONFIG)
     if ieee:
         cfg.update(BLOCK_N=min(cfg["BLOCK_N"], 32), num_stages=max(1, min(cfg["num_stages"], 2)),

@@ -71,7 +71,7 @@ NOTHING_LAUNCHED = StepHandle([], None, None, None)
 
 
 def contiguous_run(values: list[int]) -> slice | None:
-    """values as a slice when they are consecutive ascending integers, else None."""
+    """values (non-empty) as a slice when they are consecutive ascending integers, else None."""
     first = values[0]
     return slice(first, first + len(values)) if values == list(range(first, first + len(values))) else None
 

@@ -8,7 +8,6 @@ from pdserve.core.batch import PLACEHOLDER_TOKEN_ID
 from pdserve.engine.llm import LLM
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker import model_runner
-from pdserve.worker.model_runner import contiguous_run as model_runner_contiguous_run
 
 PROMPTS = ["The capital of France is", "def reverse(s):", "Once upon a time", "1, 2, 3, 4,",
            "A haiku about the sea:", "The three primary colours are"]
@@ -40,18 +39,28 @@ def test_same_outputs_as_synchronous_loop(default_llm, monkeypatch):
     def spying_launch(out):
         placeholders.extend(s.request_id for s in out.scheduled if s.token_ids == [PLACEHOLDER_TOKEN_ID])
         return launch(out)
-    runs = []
-    monkeypatch.setattr(model_runner, "contiguous_run",
-                        lambda values: runs.append(model_runner_contiguous_run(values)) or runs[-1])
+    fills = []  # (rows, sources) of each placeholder fill, each a slice or None
+    original, build = model_runner.contiguous_run, default_llm.engine.runner._launch
+
+    def spying_build(out):
+        before = len(calls)
+        handle = build(out)
+        if len(calls) > before:
+            fills.append(tuple(calls[before:]))
+        return handle
+    calls = []
+    monkeypatch.setattr(model_runner, "contiguous_run", lambda values: calls.append(original(values)) or calls[-1])
+    monkeypatch.setattr(default_llm.engine.runner, "_launch", spying_build)
     default_llm.engine.runner.launch = spying_launch
     try:
         assert _run(default_llm, True) == sync
     finally:
         del default_llm.engine.runner.launch
     assert placeholders  # decodes really were launched before their input token had landed
-    # Both ways of filling placeholders ran: one copy of a run of rows, and an index where requests
-    # finished between the steps and left gaps.
-    assert any(isinstance(r, slice) for r in runs) and None in runs
+    # Both ways of filling placeholders ran: one copy of a run of rows from a run of sources, and an
+    # index where a request finished between the steps and left a gap in the sources.
+    assert any(all(isinstance(part, slice) for part in fill) for fill in fills)
+    assert any(None in fill for fill in fills)
     assert not default_llm.engine.step_in_flight
     kv = default_llm.engine.scheduler.kv
     assert not kv.req_to_blocks and kv.num_free_blocks == kv.pool.num_blocks
@@ -109,8 +118,6 @@ def test_default_is_off_on_cpu(flag, expected):
 
 
 def test_contiguous_run():
-    assert model_runner_contiguous_run([3]) == slice(3, 4)
-    assert model_runner_contiguous_run([0, 1, 2]) == slice(0, 3)
-    assert model_runner_contiguous_run([0, 2, 1]) is None
-    assert model_runner_contiguous_run([0, 1, 3]) is None
-    assert model_runner_contiguous_run([2, 1, 0]) is None
+    run = model_runner.contiguous_run
+    assert run([3]) == slice(3, 4) and run([0, 1, 2]) == slice(0, 3)
+    assert run([0, 2, 1]) is None and run([0, 1, 3]) is None and run([2, 1, 0]) is None

@@ -128,10 +128,11 @@ def test_triton_and_reference_paths_give_the_same_fp32_logits(tiny_paths, monkey
 def _compiled_variants() -> dict[str, int]:
     """How many variants of each Triton kernel this process has compiled (JITFunction.device_caches:
     device -> (kernel_cache, ...))."""
+    from pdserve.model import triton_argmax, triton_linear, triton_norm
     from pdserve.model import triton_attention as ta
-    from pdserve.model import triton_linear
     kernels = {"attn": ta._attn_kernel, "reduce": ta._reduce_kernel, "rope_write_kv": ta._rope_write_kv_kernel,
-               "gemv": triton_linear._gemv_kernel}
+               "gemv": triton_linear._gemv_kernel, "rms_norm": triton_norm._rms_norm_kernel,
+               "chunk_argmax": triton_argmax._chunk_argmax_kernel, "row_argmax": triton_argmax._row_argmax_kernel}
     return {name: sum(len(entry[0]) for entry in k.device_caches.values()) for name, k in kernels.items()}
 
 
@@ -146,10 +147,12 @@ def test_serving_new_batch_shapes_after_start_up_compiles_nothing(tiny_paths, mo
     monkeypatch.setattr(layers, "SMALL_BATCH_TRITON_LINEAR", True)
     llm = LLM(tiny_paths["llama"], device="cuda", dtype="bfloat16", block_size=16, num_blocks=512)
     before = _compiled_variants()
-    assert before["attn"] > 0 and before["rope_write_kv"] > 0 and before["gemv"] > 0, before  # ran at start-up
+    assert all(count > 0 for count in before.values()), before  # every kernel ran at start-up
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, ignore_eos=True)
     for lengths in ([1], [5, 16], [17, 33, 100], [3] * 16, [2, 7, 31, 64, 129, 200] * 3, [250]):
         llm.generate(prompts_of(lengths, seed=len(lengths)), greedy)  # 1..18 sequences, 1..14 blocks wide
+    llm.generate(prompts_of([4, 40], seed=1), sampled)  # sampling ends in the same argmax kernels
     assert _compiled_variants() == before
     llm.shutdown()
 

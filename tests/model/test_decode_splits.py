@@ -2,9 +2,7 @@
 captured graph serves every context), so it must leave each split few tiles past 2,048 tokens."""
 import pytest
 
-pytest.importorskip("triton")
-
-from pdserve.model import triton_attention as ta  # noqa: E402
+from pdserve.model import triton_attention as ta  # the split policy is plain Python: no Triton needed
 
 H200_SMS = 132
 

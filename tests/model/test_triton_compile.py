@@ -115,15 +115,19 @@ def test_prefill_tiles_fit_the_shared_memory_they_are_chosen_for():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_argmax_kernels_compile(dtype):
-    compile_for_hopper(triton_argmax._chunk_argmax_kernel,
-                       {"default": f"*{dtype}", "val_ptr": "*fp32", "idx_ptr": "*i32"},
-                       dict(CHUNK=triton_argmax.CHUNK), num_warps=4)
+    # A 128,256-wide vocabulary: pointers, width and row stride multiples of 16, 126 chunks.
+    chunk_kernel = triton_argmax._chunk_argmax_kernel
+    compile_for_hopper(chunk_kernel, {"default": f"*{dtype}", "val_ptr": "*fp32", "idx_ptr": "*i32"},
+                       dict(CHUNK=triton_argmax.CHUNK), num_warps=4,
+                       aligned=tuple(a for a in chunk_kernel.arg_names if a != "num_chunks"))
     compile_for_hopper(triton_argmax._row_argmax_kernel,
-                       {"default": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"}, dict(BLOCK=128), num_warps=4)
+                       {"default": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"}, dict(BLOCK=128), num_warps=4,
+                       aligned=("val_ptr", "idx_ptr", "out_ptr"))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_kernel_compiles(dtype, residual):
-    compile_for_hopper(triton_norm._rms_norm_kernel, {"default": f"*{dtype}"},
-                       dict(HAS_RESIDUAL=residual, BLOCK=4096), num_warps=8)
+    kernel = triton_norm._rms_norm_kernel
+    compile_for_hopper(kernel, {"default": f"*{dtype}"}, dict(HAS_RESIDUAL=residual, BLOCK=4096), num_warps=8,
+                       aligned=tuple(a for a in kernel.arg_names if a != "eps"))
