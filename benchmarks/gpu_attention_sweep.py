@@ -38,20 +38,24 @@ def make_cache(layout: str, num_blocks: int, layers: int) -> torch.Tensor:
     return hnd.permute(0, 1, 2, 4, 3, 5)
 
 
-def setup(batch: int, layout: str):
+def setup(batch: int, layout: str, context: int = CONTEXT, layers: int | None = None):
+    """q, a cache of `layers` layers' K/V (default: enough for > 8x the L2 per graph replay), decode
+    metadata for `batch` sequences of `context` tokens on scattered blocks, the layer count, KV bytes
+    per layer."""
     from pdserve.model.attention import AttentionMetadata
-    per_seq = CONTEXT // BLOCK
-    kv_layer_bytes = batch * CONTEXT * 2 * KV_HEADS * DIM * 2
-    layers = max(1, min(32, -(-400_000_000 // kv_layer_bytes)))  # > 8x the L2 per graph replay
+    per_seq = -(-context // BLOCK)
+    kv_layer_bytes = batch * context * 2 * KV_HEADS * DIM * 2
+    if layers is None:
+        layers = max(1, min(32, -(-400_000_000 // kv_layer_bytes)))
     num_blocks = batch * per_seq + 1
     perm = (torch.randperm(num_blocks - 1) + 1).to(torch.int32)
     tables = perm.view(batch, per_seq).cuda()
     cache = make_cache(layout, num_blocks, layers)
     md = AttentionMetadata(
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.full((batch,), CONTEXT, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
         block_tables=tables, slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
-        query_lens_cpu=[1] * batch, seq_lens_cpu=[CONTEXT] * batch, block_size=BLOCK)
+        query_lens_cpu=[1] * batch, seq_lens_cpu=[context] * batch, block_size=BLOCK)
     q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
     return q, cache, md, layers, kv_layer_bytes
 

@@ -91,6 +91,17 @@ def gpu_median(fn, iters: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def timed_steps(engine, steps: int) -> float:
+    """Wall seconds per EngineCore.step() over `steps` consecutive steps, from a device sync to one
+    after the last: with async scheduling the window then holds the GPU time of exactly `steps` steps."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
 def graph_median(run, iters: int) -> float:
     """Median seconds of one replay of a CUDA graph of run() (run once before capture: compiles,
     workspaces). Kernels shorter than their launch from Python must be timed this way."""
@@ -285,10 +296,11 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 
 def bench_splits(quick: bool) -> dict:
-    """Split-K factor of the decode kernel at small batches (2,048-token contexts): what a larger
-    MAX_SPLITS would buy. decode_num_splits() picks by batch size; here every factor is forced. Timed
-    as a CUDA graph of 32 calls (one per layer, as in a decode step): a single call at batch 1 takes
-    ~10 us, less than launching it from Python, so timing calls one by one measures the launches."""
+    """Split-K factor of the decode kernel at small batches (2,048-token contexts), each factor forced
+    with the tiles decode_launch_config() gives it. Timed as a CUDA graph of 32 calls: a single call at
+    batch 1 takes ~10 us, less than launching it from Python. The 32 calls read one layer's cache, which
+    at batch <= 4 (<= 34 MB of KV) stays in L2, so small batches time faster here than in a decode
+    step; gpu_split_sweep.py reads 32 distinct layers, across contexts and tiles."""
     from pdserve.model import triton_attention as ta
     rows = []
     for n in (1, 4, 16, 64):
@@ -484,16 +496,8 @@ def bench_engine_decode(llm, quick: bool, context: int = 2048) -> dict:
             engine.async_scheduling = mode
             for _ in range(3):
                 engine.step()
-            torch.cuda.synchronize()
             contexts = [r.num_tokens for r in requests]
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            # With async scheduling the last step is still running here, and the first one timed
-            # landed a step that ran before the clock started: wait for it, so the window holds
-            # the GPU time of exactly `steps` steps.
-            torch.cuda.synchronize()
-            elapsed = (time.perf_counter() - start) / steps
+            elapsed = timed_steps(engine, steps)
             assert all(not r.is_finished for r in requests)
             roofline = shape.decode_bytes([c + steps // 2 for c in contexts]) / HBM_BYTES_PER_S
             key = "async" if mode else "sync"

@@ -19,18 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from gpu_bench import MODEL, gpu_median, machine, random_prompts, today, write_json
-
-
-def timed_steps(engine, steps: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+from gpu_bench import MODEL, gpu_median, machine, random_prompts, timed_steps, today, write_json
 
 
 def main() -> None:

@@ -16,30 +16,14 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
-
+from gpu_attention_sweep import BLOCK, DIM, KV_HEADS, setup
 from gpu_bench import HBM_BYTES_PER_S, graph_median, machine, print_rows, today, write_json
 
-HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 32, 8, 128, 16, 32
+LAYERS = 32
 CONFIGS = [{"BLOCK_N": 128, "num_warps": 2, "num_stages": 1},
            {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
            {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
            {"BLOCK_N": 64, "num_warps": 2, "num_stages": 1}]
-
-
-def setup(batch: int, context: int):
-    from pdserve.model.attention import AttentionMetadata
-    per_seq = -(-context // BLOCK)
-    num_blocks = batch * per_seq + 1
-    tables = (torch.randperm(num_blocks - 1) + 1).to(torch.int32).view(batch, per_seq).cuda()
-    cache = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
-    md = AttentionMetadata(
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
-        block_tables=tables, slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
-        query_lens_cpu=[1] * batch, seq_lens_cpu=[context] * batch, block_size=BLOCK)
-    q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
-    return q, cache, md
 
 
 def main() -> None:
@@ -57,8 +41,7 @@ def main() -> None:
     try:
         for batch in map(int, args.batches.split(",")):
             for context in map(int, args.contexts.split(",")):
-                q, cache, md = setup(batch, context)
-                kv_bytes = batch * context * 2 * KV_HEADS * DIM * 2
+                q, cache, md, _, kv_bytes = setup(batch, "NHD", context, LAYERS)
                 now_splits = ta.decode_num_splits(batch, KV_HEADS, ta.num_sms(q.device))
                 now_cfg = chosen_config(now_splits, False)
                 for splits in map(int, args.splits.split(",")):

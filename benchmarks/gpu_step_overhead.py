@@ -17,7 +17,6 @@ Writes gpu-step-overhead-<date>.json.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ import triton.language as tl
 
 from pdserve.model import layers, triton_argmax, triton_norm
 
-from gpu_bench import MODEL, graph_median, machine, random_prompts, today, write_json
+from gpu_bench import MODEL, graph_median, machine, random_prompts, timed_steps, today, write_json
 
 
 @triton.jit
@@ -183,14 +182,6 @@ def main() -> None:
     while request.num_output_tokens < 2:
         engine.step()
 
-    def steps_ms(n: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            engine.step()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / n * 1e3
-
     captured = None
     for window in ("1850-2040", "2060-2250"):
         low = int(window.split("-")[0])
@@ -206,8 +197,8 @@ def main() -> None:
                     runner.capture_decode_graphs()
                     captured = (split, norm)
                 sampler.argmax_rows, model_runner.contiguous_run = argmax, fill
-                steps_ms(3)
-                times[name].append(steps_ms(10))
+                timed_steps(engine, 3)
+                times[name].append(timed_steps(engine, 10) * 1e3)
         result["engine_step_ms"][window] = {"rounds": times, "min": {k: min(v) for k, v in times.items()},
                                             "context_after": request.num_tokens}
         print(window, result["engine_step_ms"][window]["min"], flush=True)
