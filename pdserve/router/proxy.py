@@ -36,28 +36,14 @@ from collections.abc import Sequence
 import aiohttp
 from aiohttp import web
 
-from pdserve.metrics import CONTENT_TYPE, Registry
+from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import SSE_DONE, error_body, sse_event
+from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.policy import Policy, RoundRobin
 
 logger = logging.getLogger(__name__)
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 NETWORK_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-
-
-class ProxyMetrics:
-    def __init__(self) -> None:
-        self.registry = r = Registry(prefix="pdserve:proxy_")
-        self.num_requests = r.counter("requests_total", "Completion requests received.")
-        self.num_errors = r.counter("request_errors_total", "Requests answered with an error (or a mid-stream one).")
-        self.num_client_disconnects = r.counter("client_disconnects_total", "Clients gone before the answer ended.")
-        self.num_prefill_retries = r.counter("prefill_retries_total", "Prefill hops retried on another P.")
-        self.num_in_flight = r.gauge("requests_in_flight", "Completion requests being served.")
-        self.ttft = r.histogram("time_to_first_token_seconds", LATENCY_BUCKETS,
-                                "Client request to the first bytes from the decode instance.")
-        self.prefill_seconds = r.histogram("prefill_seconds", LATENCY_BUCKETS, "The prefill hop, retries included.")
-        self.num_kv_releases = r.counter("kv_releases_total", "Releases sent to a P whose decode hop did not happen.")
 
 
 def json_error(message: str, status: int, error_type: str | None = None) -> web.Response:
@@ -296,7 +282,7 @@ class Proxy:
             return False, describe(e)
 
     async def render_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.registry.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 PROXY_KEY = web.AppKey("proxy", Proxy)

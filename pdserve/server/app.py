@@ -33,59 +33,19 @@ from typing import Any
 from aiohttp import web
 
 from pdserve import protocol
-from pdserve.metrics import CONTENT_TYPE, Registry, render_stats
+from pdserve.metrics import CONTENT_TYPE
+from pdserve.server.metrics import ServerMetrics
 from pdserve.outputs import FinishReason, RequestOutput
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 
 logger = logging.getLogger(__name__)
 
-METRIC_PREFIX = "pdserve:"
 MAX_BODY_BYTES = 64 * 1024 * 1024     # a 128k-token prompt as a JSON id list is about 1 MB
 DISCONNECT_POLL_S = 0.5
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-               2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
-
-# Engine gauges and counters /metrics always shows, 0 until the engine reports them.
-ENGINE_STAT_DEFAULTS = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
-                        "prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0}
-ENGINE_STAT_HELP = {
-    "num_requests_running": "Requests in the running batch.",
-    "num_requests_waiting": "Requests waiting to be scheduled.",
-    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0..1).",
-    "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
-    "prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
-    "num_requests_waiting_for_remote_kvs": "Requests waiting for KV from a remote prefill instance.",
-    "num_blocks_held_for_transfer": "Blocks held after finishing until a remote decode instance reads them.",
-    "kv_transfer_bytes_total": "Bytes of KV moved between instances.",
-    "kv_transfer_descriptors_total": "Transfer descriptors posted.",
-    "kv_transfer_failures_total": "KV transfers that failed.",
-    "kv_lease_expirations_total": "Held blocks freed because their lease expired.",
-    "kv_transfer_seconds": "Duration of one request's KV transfer.",
-}
 # Keys a client may not set through chat_template_kwargs: the server sets them.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt",
                              "return_dict", "return_tensors", "padding", "truncation"}
-
-
-class ServerMetrics:
-    """What the server measures itself, per request, as the client sees it."""
-
-    def __init__(self) -> None:
-        self.registry = r = Registry(prefix=METRIC_PREFIX)
-        self.prompt_tokens = r.counter("prompt_tokens_total", "Prompt tokens of requests that produced output.")
-        self.generation_tokens = r.counter("generation_tokens_total", "Tokens generated.")
-        self.request_success = r.counter("request_success_total", "Requests finished with stop or length.")
-        self.request_failure = r.counter("request_failure_total", "Requests ended by an engine error.")
-        self.request_abort = r.counter("request_abort_total", "Requests aborted because the client went away.")
-        self.ttft = r.histogram("time_to_first_token_seconds", TTFT_BUCKETS,
-                                "Arrival at the server to the first generated token.")
-        self.itl = r.histogram("inter_token_latency_seconds", ITL_BUCKETS, "Time between generated tokens.")
-        self.e2e = r.histogram("e2e_request_latency_seconds", E2E_BUCKETS, "Arrival to the last token.")
 
 
 class _Generation:
@@ -260,14 +220,7 @@ class OpenAIServer:
         return web.json_response({"status": "accepted"}, status=202)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        try:
-            stats = {**ENGINE_STAT_DEFAULTS, **self.engine.stats()}
-        except Exception:   # noqa: BLE001 - the server's own metrics still render
-            logger.exception("engine.stats failed")
-            stats = dict(ENGINE_STAT_DEFAULTS)
-        text = self.metrics.registry.render() + render_stats(
-            stats, prefix=METRIC_PREFIX, skip=self.metrics.registry.names, helps=ENGINE_STAT_HELP)
-        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=self.metrics.render(self.engine.stats), headers={"Content-Type": CONTENT_TYPE})
 
     # ------------------------------------------------------------------ generation routes
 

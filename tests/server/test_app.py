@@ -196,12 +196,12 @@ def test_models_health_and_metrics():
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
     assert (healthy, unhealthy) == (200, 503)
     assert content_type.startswith("text/plain")
-    for line in ("pdserve:prompt_tokens_total 2", "pdserve:generation_tokens_total 3",
-                 "pdserve:request_success_total 1", "pdserve:request_failure_total 0",
-                 "pdserve:time_to_first_token_seconds_count 1", "pdserve:inter_token_latency_seconds_count 2",
-                 "pdserve:e2e_request_latency_seconds_count 1", "pdserve:kv_cache_usage_perc 0.25",
-                 "pdserve:prefix_cache_hits_total 4", "pdserve:num_requests_waiting_for_remote_kvs 1",
-                 "pdserve:kv_transfer_failures_total 2", 'pdserve:kv_transfer_seconds_bucket{le="+Inf"} 4'):
+    for line in ("pdserve:prompt_tokens_total 2.0", "pdserve:generation_tokens_total 3.0",
+                 "pdserve:request_success_total 1.0", "pdserve:request_failure_total 0.0",
+                 "pdserve:time_to_first_token_seconds_count 1.0", "pdserve:inter_token_latency_seconds_count 2.0",
+                 "pdserve:e2e_request_latency_seconds_count 1.0", "pdserve:kv_cache_usage_perc 0.25",
+                 "pdserve:prefix_cache_hits_total 4.0", "pdserve:num_requests_waiting_for_remote_kvs 1.0",
+                 "pdserve:kv_transfer_failures_total 2.0", 'pdserve:kv_transfer_seconds_bucket{le="+Inf"} 4.0'):
         assert f"\n{line}\n" in text, line
 
 
@@ -339,7 +339,7 @@ def test_engine_failure_ends_the_request_with_an_error(stream, failure):
         assert json.loads(events[2])["error"]["code"] == 500 and len(events) == 4
     else:
         assert status == 500 and json.loads(raw)["error"]["type"] == "server_error"
-    assert "\npdserve:request_failure_total 1\n" in metrics
+    assert "\npdserve:request_failure_total 1.0\n" in metrics
 
 
 def test_engine_refusal_is_a_bad_request():
@@ -369,7 +369,7 @@ def test_disconnect_mid_stream_aborts_the_request():
             assert await wait_until(lambda: request_id in engine.aborted)
             assert not engine.running and request_id not in engine.finished
             async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as r:
-                assert "\npdserve:request_abort_total 1\n" in await r.text()
+                assert "\npdserve:request_abort_total 1.0\n" in await r.text()
 
     run(main())
 
