@@ -4,12 +4,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import shlex
 import signal
 import sys
 
-from pdserve.config import (CacheConfig, EngineConfig, KVTransferConfig, KV_ROLES, ModelConfig,
-                            SchedulerConfig)
+from pdserve.config import (API_KEY_ENV, LOOPBACK_HOSTS, ROUTER_KEY_ENV, CacheConfig, EngineConfig,
+                            KVTransferConfig, KV_ROLES, ModelConfig, SchedulerConfig, ServerConfig)
 
 DESCRIPTION = """pdserve: an LLM server with prefill/decode disaggregation and an OpenAI-compatible API.
 
@@ -74,7 +75,31 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
 def _add_server_args(p: argparse.ArgumentParser, port: int = 8000) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=port)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    add_key_arguments(p)
+    g = p.add_argument_group("limits (admission control)")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests that may wait beyond the --max-num-seqs running ones; more get a 503 with "
+                        "Retry-After")
+    g.add_argument("--request-timeout", type=float, default=3600.0,
+                   help="seconds a request may take from arrival to its last token before it is ended")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send its request body (a slow upload gets a 408)")
+    g.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body (default: sized to the context, at least 1 MiB)")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest text prompt, checked before tokenizing (default: 32 x max-model-len)")
+
+
+def add_key_arguments(p: argparse.ArgumentParser, *, router_key: bool = True) -> None:
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"clients must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; prefer the "
+                        f"variable, a flag is visible to every local user in ps)")
+    if router_key:
+        p.add_argument("--router-key", default=os.environ.get(ROUTER_KEY_ENV),
+                       help=f"the secret shared by the router and the instances (default: ${ROUTER_KEY_ENV}): "
+                            f"only its holder may send kv_transfer_params or release KV blocks, and it "
+                            f"signs the KV side channel. Required for a P/D instance on a non-loopback "
+                            f"address; `pdserve up` makes one")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "wait until healthy, print the URL; Ctrl-C stops everything.")
     up.add_argument("--host", default="127.0.0.1", help="address of the proxy and every instance")
     up.add_argument("--port", type=int, default=8000, help="the proxy's port; instances take the next ones")
+    add_key_arguments(up, router_key=False)
     up.add_argument("--num-prefill", type=int, default=1, help="prefill (producer) instances")
     up.add_argument("--num-decode", type=int, default=1,
                     help="decode (consumer) instances; on CPU the cores are split evenly among all instances, "
@@ -129,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv = KVTransferConfig.from_json(args.kv_transfer_config, kv_connector=args.kv_connector,
                                     kv_role=args.kv_role, engine_id=args.engine_id)
+    kv.auth_key = args.router_key
+    if kv.kv_connector is not None:
+        if args.router_key is None and args.host not in LOOPBACK_HOSTS:
+            raise ValueError(f"router_key: a P/D instance on {args.host} would take kv_transfer_params from any "
+                             f"client; set ${ROUTER_KEY_ENV} (or --router-key) here and on the proxy")
+        # The side channel listens where the server does, unless told otherwise; a wildcard address is
+        # not one D could connect to, so it keeps the loopback default there.
+        if "side_channel_host" not in (args.kv_transfer_config or "") and args.host not in ("0.0.0.0", "::"):
+            kv.side_channel_host = args.host
     cores = [int(c) for c in args.cpu_cores.split(",")] if args.cpu_cores else None
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
@@ -144,12 +179,21 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_transfer=kv, num_threads=args.num_threads, cpu_affinity=cores)
 
 
-async def _serve(config: EngineConfig, host: str, port: int, api_key: str | None) -> None:
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    config = ServerConfig(api_key=args.api_key, router_key=args.router_key,
+                          max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
+                          body_timeout_s=args.body_timeout, max_body_bytes=args.max_body_bytes,
+                          max_prompt_chars=args.max_prompt_chars)
+    config.validate()
+    return config
+
+
+async def _serve(config: EngineConfig, host: str, port: int, server_config: ServerConfig) -> None:
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.server.app import start_server
     engine = AsyncEngine(config)
     await engine.start()
-    runner, bound = await start_server(engine, host, port, api_key=api_key)
+    runner, bound = await start_server(engine, host, port, server_config)
     role = config.kv_transfer.kv_role if config.kv_transfer.kv_connector else "colocated"
     logging.getLogger("pdserve").info("serving %s (%s, engine %s) on http://%s:%d/v1",
                                       engine.served_model_name, role, engine.engine_id, host, bound)
@@ -172,11 +216,12 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args)
         config.validate()
+        server_config = server_config_from_args(args)
     except ValueError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(config, args.host, args.port, args.api_key))
+        asyncio.run(_serve(config, args.host, args.port, server_config))
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 1
@@ -206,7 +251,7 @@ def up_main(args: argparse.Namespace) -> int:
                        host=args.host, port=args.port, serve_args=serve_args,
                        kv_transfer_config=args.kv_transfer_config, device=args.device,
                        kv_connector=args.kv_connector, prefill_args=role_args["prefill"],
-                       decode_args=role_args["decode"])
+                       decode_args=role_args["decode"], api_key=args.api_key)
 
 
 def main(argv: list[str] | None = None) -> int:

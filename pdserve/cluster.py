@@ -4,7 +4,10 @@ Lifecycle:
   1. split this machine's devices among the instances: on CUDA one GPU each (round-robin when
      there are fewer GPUs), on CPU disjoint sets of cores, each engine pinned to its own cores
      with as many torch threads as cores (two engines sharing a core halve each other's speed)
-  2. start each instance as `pdserve serve --kv-role producer|consumer` and the proxy in front
+  2. start each instance as `pdserve serve --kv-role producer|consumer` and the proxy in front; a fresh
+     router key (or $PDSERVE_ROUTER_KEY) goes to every child through the environment: the proxy sends
+     it, the instances require it (as their API key too, so that with --host 0.0.0.0 a client cannot
+     go around the proxy); the client's --api-key goes to the proxy only
   3. wait until every /health answers, then print the URL
   4. on Ctrl-C or SIGTERM (or when a child dies) stop every child, newest first
 
@@ -14,12 +17,15 @@ deployments in turn.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from typing import IO, Mapping, Sequence
+
+from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV
 
 HEALTH_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 15.0
@@ -113,7 +119,7 @@ def instance_command(role: str, index: int, port: int, *, model: str, host: str,
 def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, port: int,
                 serve_args: list[str], kv_transfer_config: str | None, device: str,
                 kv_connector: str = "nixl", prefill_args: Sequence[str] = (),
-                decode_args: Sequence[str] = ()) -> int:
+                decode_args: Sequence[str] = (), api_key: str | None = None) -> int:
     instances = [("producer", i) for i in range(num_prefill)] + [("consumer", i) for i in range(num_decode)]
     use_cuda = device == "cuda" or (device == "auto" and num_gpus() > 0)
     cores = [None] * len(instances) if use_cuda else split_cores(len(instances))
@@ -121,6 +127,12 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
     children = ChildProcesses()
 
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    router_key = os.environ.get(ROUTER_KEY_ENV) or secrets.token_urlsafe(32)
+    instance_env = {**os.environ, ROUTER_KEY_ENV: router_key, API_KEY_ENV: router_key}
+    proxy_env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    proxy_env[ROUTER_KEY_ENV] = router_key
+    if api_key is not None:
+        proxy_env[API_KEY_ENV] = api_key
     prefill_urls, decode_urls = [], []
     try:
         for n, (role, i) in enumerate(instances):
@@ -129,20 +141,22 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
                                    role_args=prefill_args if role == "producer" else decode_args,
                                    kv_connector=kv_connector, kv_transfer_config=kv_transfer_config,
                                    cores=cores[n])
-            env = dict(os.environ)
+            env = dict(instance_env)
             if use_cuda and num_cuda_devices:
                 env["CUDA_VISIBLE_DEVICES"] = str(n % num_cuda_devices)
             children.start(cmd, env=env)
             (prefill_urls if role == "producer" else decode_urls).append(f"http://{host}:{inst_port}")
         children.wait_healthy(prefill_urls + decode_urls, HEALTH_TIMEOUT_S)
         children.start([sys.executable, "-m", "pdserve", "proxy", "--host", host, "--port", str(port),
-                        "--prefill", *prefill_urls, "--decode", *decode_urls])
+                        "--prefill", *prefill_urls, "--decode", *decode_urls], env=proxy_env)
         url = f"http://{host}:{port}"
         children.wait_healthy([url], 60)
         served = next((a for f, a in zip(serve_args, serve_args[1:]) if f == "--served-model-name"), model)
+        auth_header = '-H "Authorization: Bearer $KEY" ' if api_key else ""
         print(f"pdserve cluster ready: {url}/v1  (prefill: {' '.join(prefill_urls)}; "
               f"decode: {' '.join(decode_urls)}). Ctrl-C stops it.\nTry:\n"
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"{auth_header}-d "
               f"'{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
         while children.first_dead() is None:

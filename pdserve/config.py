@@ -80,6 +80,8 @@ class KVTransferConfig:
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0            # 0: pick a free port
     enable_prog_thread: bool = False      # NIXL progress thread busy-polls a core; off by default on CPU
+    # The router key, when the instance has one: signs every side-channel message (never from JSON or argv).
+    auth_key: str | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -105,7 +107,7 @@ class KVTransferConfig:
                 raise ValueError(f"kv_transfer_config: not valid JSON ({e})") from None
             if not isinstance(data, dict):
                 raise ValueError("kv_transfer_config: must be a JSON object")
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "auth_key")}
         kwargs = {k: v for k, v in data.items() if k in known}
         extra = {k: v for k, v in data.items() if k not in known}
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
@@ -136,3 +138,51 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.kv_transfer.validate()
+
+
+# Secrets reach processes through the environment, never argv: argv is readable by every local user (ps).
+API_KEY_ENV = "PDSERVE_API_KEY"
+ROUTER_KEY_ENV = "PDSERVE_ROUTER_KEY"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP front door of one instance: who may call it, and how much one request may take."""
+    api_key: str | None = None            # clients send "Authorization: Bearer <api_key>"
+    # The router's secret ("X-PDServe-Router-Key"): it passes the api-key check and is the only caller
+    # allowed to send kv_transfer_params or POST /v1/kv/release once set.
+    router_key: str | None = None
+    max_queued_requests: int = 1024       # beyond max_num_seqs running + this many: 503 + Retry-After
+    request_timeout_s: float = 3600.0     # a request still unfinished this long after arrival is ended
+    body_timeout_s: float = 30.0          # a client must finish sending its body within this
+    # None: sized to the model's context (see resolve_limits)
+    max_body_bytes: int | None = None
+    max_prompt_chars: int | None = None
+
+    def validate(self) -> None:
+        for name in ("api_key", "router_key"):
+            value = getattr(self, name)
+            if value is not None and (not value or not value.isprintable() or not value.isascii()):
+                raise ValueError(f"{name}: must be a non-empty printable ASCII string")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
+        for name in ("request_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("max_body_bytes", "max_prompt_chars"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+
+    def resolve_limits(self, max_model_len: int) -> tuple[int, int]:
+        """(max_body_bytes, max_prompt_chars) for a model of this context length.
+
+        A token is a few characters of text on average; 32 leaves room for long runs (whitespace,
+        repeated symbols) while a 20 MB prompt for a 2k-token model is refused before the tokenizer
+        spends seconds on it. A body holds the prompt JSON-escaped (up to 6 bytes a character) or as
+        token ids (up to 12 bytes each), plus the rest of the request: 1 MiB is the floor.
+        """
+        max_prompt_chars = self.max_prompt_chars or 32 * max_model_len
+        max_body_bytes = self.max_body_bytes or max(1 << 20, 6 * max_prompt_chars + (64 << 10))
+        return max_body_bytes, max_prompt_chars

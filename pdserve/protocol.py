@@ -32,9 +32,10 @@ from pdserve.sampling_params import SamplingParams
 
 SSE_DONE = b"data: [DONE]\n\n"
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-                503: "service_unavailable"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                413: "invalid_request_error", 500: "server_error", 502: "backend_error",
+                503: "service_unavailable", 504: "timeout_error"}
 
 # Numeric bounds. Token ids and token counts fit an int32, so no tensor that holds them can overflow.
 MAX_INT32 = 2**31 - 1

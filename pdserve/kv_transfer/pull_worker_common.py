@@ -204,7 +204,7 @@ class PullConnectorWorker(KVConnectorWorker):
         self._client = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"pdserve-kv-client-{engine_id}")
         self._server = side_channel.SideChannelServer(config.side_channel_host, config.side_channel_port, {
             "handshake": self._on_handshake, "heartbeat": self._on_heartbeat,
-            "release": self._on_release, "done": self._on_release})
+            "release": self._on_release, "done": self._on_release}, key=config.auth_key)
         self.side_channel_port = self._server.port
 
     # ---- transport hooks ------------------------------------------------------------------------
@@ -358,11 +358,15 @@ class PullConnectorWorker(KVConnectorWorker):
         """Client pool thread: no transport calls here; the engine thread connects."""
         try:
             reply, blob = side_channel.request(host, port, {
-                "type": "handshake", "engine_id": self.engine_id, "compat_hash": self.compat_hash})
-        except OSError as e:
-            raise RuntimeError(f"handshake with remote engine {engine_id} at {host}:{port} failed: {e}") from None
+                "type": "handshake", "engine_id": self.engine_id, "compat_hash": self.compat_hash},
+                key=self.config.auth_key)
+        except OSError as e:  # the address and errno go to the log; the request's error reaches its client
+            logger.warning("handshake with remote engine %s at %s:%d failed: %s", engine_id, host, port, e)
+            raise RuntimeError(f"handshake with remote engine {engine_id} failed: its side channel "
+                               f"did not answer") from None
         if reply.get("engine_id") not in (None, engine_id):
-            raise RuntimeError(f"remote engine at {host}:{port} is {reply['engine_id']}, expected {engine_id}")
+            logger.warning("remote engine at %s:%d is %s, expected %s", host, port, reply["engine_id"], engine_id)
+            raise RuntimeError(f"the side channel named for remote engine {engine_id} belongs to another engine")
         if not reply.get("ok"):
             remote_compat = reply.get("compat") or {}
             diffs = [f"{key} local={self.compat.get(key)} remote={remote_compat.get(key)}"
@@ -424,8 +428,9 @@ class PullConnectorWorker(KVConnectorWorker):
         try:
             handle, state = self._post(recv, remote, runs)
         except Exception as e:
-            self._fail(recv, f"KV load from remote engine {remote.engine_id} failed: {e}",
-                       spec.local_block_ids, release=True)
+            logger.warning("request %s: posting the READ from %s failed: %s", spec.request_id, remote.engine_id, e)
+            self._fail(recv, f"KV load from remote engine {remote.engine_id} failed: the transfer could not "
+                             f"be posted", spec.local_block_ids, release=True)
             return
         recv.is_posted, recv.handle, recv.num_descriptors = True, handle, len(runs)
         recv.num_bytes = len(spec.local_block_ids) * local.block_bytes
@@ -534,7 +539,7 @@ class PullConnectorWorker(KVConnectorWorker):
     def _send_async(self, host: str, port: int, message: dict[str, Any], on_reply=None) -> None:
         def send() -> None:
             try:
-                reply, _ = side_channel.request(host, port, message)
+                reply, _ = side_channel.request(host, port, message, key=self.config.auth_key)
                 if not reply.get("ok"):
                     logger.warning("%s to %s:%d refused: %s", message["type"], host, port, reply.get("error"))
                 elif on_reply is not None:

@@ -10,15 +10,25 @@ server runs in its own thread (one short-lived thread per connection) and calls 
 owner registered for the message type; handlers run off the engine thread, so the owner guards
 whatever they share with a lock and never touches the transport from them.
 No pyzmq: the GPU image lacks it, and one framed request/reply needs nothing more than sockets.
+
+Authentication: with a key (the cluster's router key), every request carries "ts" (the sender's clock)
+and "auth", an HMAC-SHA256 of the rest of the message and of the blob; the server refuses a message
+whose MAC is wrong or whose ts is more than MAX_CLOCK_SKEW_S away from its own clock. Without the key
+nobody can fetch P's transport metadata (with NIXL, the means to read its memory), extend, release or
+complete a lease. Replies are not signed and nothing is encrypted: the key keeps out callers on the
+network, not an eavesdropper (docs/security.md).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import socket
 import socketserver
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -28,6 +38,7 @@ DEFAULT_TIMEOUT_S = 5.0
 _HEADER = struct.Struct(">II")
 _MAX_JSON_BYTES = 16 << 20
 _MAX_BLOB_BYTES = 64 << 20
+MAX_CLOCK_SKEW_S = 60.0
 
 # handler(message, blob) -> (reply, reply_blob)
 Handler = Callable[[dict[str, Any], bytes], tuple[dict[str, Any], bytes]]
@@ -59,11 +70,37 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
     return message, _recv_exact(sock, blob_len)
 
 
+def _mac(key: str, message: dict[str, Any], blob: bytes) -> str:
+    signed = {k: v for k, v in message.items() if k != "auth"}
+    payload = json.dumps(signed, sort_keys=True).encode() + hashlib.sha256(blob).digest()
+    return hmac.new(key.encode(), payload, hashlib.sha256).hexdigest()
+
+
+def sign(message: dict[str, Any], blob: bytes, key: str | None) -> dict[str, Any]:
+    if key is None:
+        return message
+    message = {**message, "ts": time.time()}
+    return {**message, "auth": _mac(key, message, blob)}
+
+
+def verify(message: dict[str, Any], blob: bytes, key: str | None) -> str | None:
+    """Why the message is refused, or None when it may be served."""
+    if key is None:
+        return None
+    auth, ts = message.get("auth"), message.get("ts")
+    if not isinstance(auth, str) or not hmac.compare_digest(auth.encode(), _mac(key, message, blob).encode()):
+        return "not authorized (wrong or missing router key)"
+    if not isinstance(ts, (int, float)) or abs(time.time() - ts) > MAX_CLOCK_SKEW_S:
+        return f"not authorized (message timestamp more than {MAX_CLOCK_SKEW_S:g} s off)"
+    return None
+
+
 def request(host: str, port: int, message: dict[str, Any], blob: bytes = b"",
-            timeout: float = DEFAULT_TIMEOUT_S) -> tuple[dict[str, Any], bytes]:
-    """Send one message and wait for the reply; blocking, so call it off the engine thread."""
+            timeout: float = DEFAULT_TIMEOUT_S, key: str | None = None) -> tuple[dict[str, Any], bytes]:
+    """Send one message (signed with `key` if given) and wait for the reply; blocking, so call it off
+    the engine thread."""
     with socket.create_connection((host, port), timeout=timeout) as sock:
-        send_message(sock, {"version": PROTOCOL_VERSION, **message}, blob)
+        send_message(sock, sign({"version": PROTOCOL_VERSION, **message}, blob, key), blob)
         return recv_message(sock)
 
 
@@ -71,8 +108,8 @@ class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handlers: dict[str, Handler]) -> None:
-        self.handlers = handlers
+    def __init__(self, address: tuple[str, int], handlers: dict[str, Handler], key: str | None) -> None:
+        self.handlers, self.key = handlers, key
         super().__init__(address, _RequestHandler)
 
 
@@ -87,7 +124,11 @@ class _RequestHandler(socketserver.BaseRequestHandler):
             return
         kind = message.get("type")
         handler = self.server.handlers.get(kind)  # type: ignore[attr-defined]
-        if message.get("version") != PROTOCOL_VERSION:
+        refusal = verify(message, blob, self.server.key)  # type: ignore[attr-defined]
+        if refusal is not None:
+            logger.warning("side channel: %s from %s refused: %s", kind, self.client_address, refusal)
+            reply, reply_blob = {"ok": False, "error": f"side channel: {refusal}"}, b""
+        elif message.get("version") != PROTOCOL_VERSION:
             reply, reply_blob = {"ok": False, "error": f"side channel: protocol version "
                                  f"{message.get('version')!r}, expected {PROTOCOL_VERSION}"}, b""
         elif handler is None:
@@ -107,8 +148,8 @@ class _RequestHandler(socketserver.BaseRequestHandler):
 class SideChannelServer:
     """A TCP server in a background thread; binds at construction (port 0: a free port)."""
 
-    def __init__(self, host: str, port: int, handlers: dict[str, Handler]) -> None:
-        self._server = _Server((host, port), handlers)
+    def __init__(self, host: str, port: int, handlers: dict[str, Handler], key: str | None = None) -> None:
+        self._server = _Server((host, port), handlers, key)
         self.host = host
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},

@@ -33,19 +33,21 @@ class ProxyMetrics:
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.num_kv_releases = Counter(p + "kv_releases_total", "Releases sent to a P whose decode hop did not happen.",
                                        registry=r)
+        self.num_rejected = Counter(p + "requests_rejected_total", "Requests refused with a 503 at capacity.",
+                                    registry=r)
         self.num_backend_requests = Counter(p + "backend_requests_total", "Hops sent to a backend, retries included.",
                                             ["role", "backend"], registry=r)
         self.num_backend_errors = Counter(p + "backend_errors_total", "Hops that failed because of the backend: "
                                           "no connection, a timeout, a 5xx, an unusable answer, a mid-stream error.",
                                           ["role", "backend"], registry=r)
 
-    def backend_request(self, role: str, index: int) -> None:
-        """A hop sent to the backend at `index` of the `role` pool."""
-        self.num_backend_requests.labels(role=role, backend=f"{role}-{index}").inc()
+    def backend_request(self, role: str, backend: str) -> None:
+        """A hop sent to `backend` ("prefill-0": its pool and index) of the `role` pool."""
+        self.num_backend_requests.labels(role=role, backend=backend).inc()
 
-    def backend_error(self, role: str, index: int) -> None:
+    def backend_error(self, role: str, backend: str) -> None:
         """A hop to that backend failed through the backend's fault (not a 4xx passed on to the client)."""
-        self.num_backend_errors.labels(role=role, backend=f"{role}-{index}").inc()
+        self.num_backend_errors.labels(role=role, backend=backend).inc()
 
     def render(self) -> bytes:
         return exposition(self.registry)

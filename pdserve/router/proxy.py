@@ -1,12 +1,15 @@
 """The proxy: an OpenAI-compatible front that pairs a prefill (P) instance with a decode (D) instance.
 
 Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions` in P/D mode:
-1. Check the api key (if set); read the client's JSON object, else 400. Take the client's X-Request-Id or make
-   one: both hops carry it, and the client's Authorization header, as is.
+1. Admission: past --max-in-flight requests a 503 with Retry-After. Check the api key (if set); read the
+   client's JSON object within the body timeout (parsed off the event loop when large), else 400/408/413.
+   Drop any kv_transfer_params the client sent: pairing P with D is the router's alone. Take the client's
+   X-Request-Id or make one: both hops carry it, and the router key, never the client's Authorization.
 2. Prefill hop: pick a P (round-robin) and POST it the body with `kv_transfer_params: {do_remote_decode: true}`,
    `max_tokens: 1` (and `max_completion_tokens: 1` for chat), `stream: false`, no `stream_options`.
-   A 4xx from P (validation) goes to the client as is. A connection error, timeout or 5xx is retried once on
-   another P when there is one, then becomes a 502 naming the P.
+   A 4xx from P (validation) goes to the client as is, except 401/403 (the router's own key was refused: a
+   502). A connection error, timeout or 5xx is retried once on another P when there is one, then becomes a
+   502 naming the P by its pool and index ("prefill-0"); URLs and backend error text stay in the log.
 3. Take `kv_transfer_params` from P's JSON answer; missing: 502 naming the P.
 4. Decode hop: pick a D and POST it the original body plus those `kv_transfer_params`. Before any byte of the
    answer: a 4xx goes to the client as is, anything else becomes a 502 naming the D.
@@ -19,7 +22,8 @@ Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions` in P/D mo
    the kv_transfer_params, in the background, so P frees the blocks now instead of when its lease runs out.
    Not on a timeout or a client disconnect: D may be reading P's blocks then, and it releases or finishes
    the read itself once its connection closes.
-Colocated mode skips steps 2-3: step 4 sends the body as is to a round-robin colocated instance.
+Colocated mode skips steps 2-3: step 4 sends the body to a round-robin colocated instance.
+POST /tokenize and /detokenize go to a decode (or colocated) instance as they are.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -36,6 +41,7 @@ from collections.abc import Sequence
 import aiohttp
 from aiohttp import web
 
+from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import SSE_DONE, error_body, sse_event
 from pdserve.router.metrics import ProxyMetrics
@@ -44,6 +50,9 @@ from pdserve.router.policy import Policy, RoundRobin
 logger = logging.getLogger(__name__)
 
 NETWORK_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+ROUTER_KEY_HEADER = "X-PDServe-Router-Key"   # what the instances check (pdserve/server/app.py)
+RETRY_AFTER_S = 1
+INLINE_PARSE_BYTES = 64 << 10      # larger client bodies are parsed in a thread, off the event loop
 
 
 def json_error(message: str, status: int, error_type: str | None = None) -> web.Response:
@@ -54,8 +63,22 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-def forwarded_headers(request: web.Request) -> dict[str, str]:
-    return {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
+def parse_body(data: bytes) -> dict:
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        body = None
+    if not isinstance(body, dict):
+        raise ClientError(400, "request body must be a JSON object")
+    return body
+
+
+class ClientError(Exception):
+    """The client's request is refused before any backend sees it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 def kv_transfer_params_of(data: bytes) -> dict | None:
@@ -68,33 +91,66 @@ def kv_transfer_params_of(data: bytes) -> dict | None:
     return params if isinstance(params, dict) else None
 
 
+def error_message_of(data: bytes) -> str | None:
+    """The message of an OpenAI-style error body, cut to 500 characters; None if there is none."""
+    try:
+        error = json.loads(data).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message[:500] if isinstance(message, str) and message else None
+
+
 class BackendError(Exception):
-    """A hop failed. `body` set: the backend's own 4xx, passed through; else a 502 naming the backend."""
+    """A hop failed. `body` set: the backend's own 4xx, passed through; else a 502 naming the backend by its
+    pool and index. str(e) (for the log) has the URL and detail; the client's message has neither."""
 
     def __init__(self, role: str, url: str, detail: str, status: int = 502, body: bytes | None = None,
-                 content_type: str = "application/json", never_took_request: bool = False) -> None:
+                 content_type: str = "application/json", never_took_request: bool = False,
+                 public_detail: str = "failed") -> None:
         super().__init__(f"{role} backend {url} failed: {detail}")
+        self.role, self.url, self.public_detail = role, url, public_detail
         self.status, self.body, self.content_type = status, body, content_type
         self.is_retryable = body is None  # connection error, timeout, 5xx; never the client's 4xx
         # Certain only where no connection was made or the backend answered with an error status.
         self.never_took_request = never_took_request
 
-    def response(self) -> web.Response:
+    def public_message(self, names: dict[str, str]) -> str:
+        return f"the {names.get(self.url, self.role)} instance {self.public_detail}"
+
+    def response(self, names: dict[str, str]) -> web.Response:
         if self.body is not None:
             return web.Response(status=self.status, body=self.body, headers={"Content-Type": self.content_type})
-        return json_error(str(self), self.status, "backend_error")
+        return json_error(self.public_message(names), self.status, "backend_error")
+
+
+def public_detail(e: BaseException) -> str:
+    """What a client may learn of a network failure: its kind, not the address or the exception."""
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return "is unreachable"
+    return "dropped the connection"
 
 
 class Proxy:
     def __init__(self, prefill: Policy | None, decode: Policy | None, colocated: Policy | None,
-                 api_key: str | None, timeout: float, connect_timeout: float, max_connections: int) -> None:
+                 api_key: str | None, timeout: float, connect_timeout: float, max_connections: int,
+                 router_key: str | None = None, max_in_flight: int = 4096, body_timeout: float = 30.0,
+                 max_body_bytes: int = 32 << 20) -> None:
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
-        self.api_key, self.max_connections = api_key, max_connections
+        self.api_key, self.router_key, self.max_connections = api_key, router_key, max_connections
+        self.max_in_flight, self.body_timeout, self.max_body_bytes = max_in_flight, body_timeout, max_body_bytes
+        self.num_in_flight = 0
         # total=None: a long stream is fine; a backend silent for `timeout` seconds is not.
         self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=timeout)
         self.session: aiohttp.ClientSession | None = None
         self.metrics = ProxyMetrics()
         self.releases: set[asyncio.Task] = set()  # in the background: the client's answer does not wait
+        # What clients (and metric labels) call each backend: its pool and index, never its address.
+        self.names = {url: f"{role}-{i}" for role, pool in (("prefill", prefill), ("decode", decode),
+                                                            ("colocated", colocated)) if pool is not None
+                      for i, url in enumerate(pool.urls)}
 
     async def session_ctx(self, app: web.Application):
         connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
@@ -103,25 +159,45 @@ class Proxy:
         await self.session.close()
 
     def is_authorized(self, request: web.Request) -> bool:
-        return self.api_key is None or hmac.compare_digest(
-            request.headers.get("Authorization", "").encode(), f"Bearer {self.api_key}".encode())
+        if self.api_key is None:
+            return True
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
+
+    def backend_headers(self, request_id: str) -> dict[str, str]:
+        headers = {"X-Request-Id": request_id}
+        if self.router_key is not None:
+            headers[ROUTER_KEY_HEADER] = self.router_key
+        return headers
+
+    async def read_body(self, request: web.Request) -> dict:
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                data = await request.read()
+        except TimeoutError:
+            raise ClientError(408, f"the request body did not arrive within {self.body_timeout:g} s") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise ClientError(413, f"the request body is larger than {self.max_body_bytes} bytes") from None
+        if len(data) <= INLINE_PARSE_BYTES:
+            return parse_body(data)
+        return await asyncio.to_thread(parse_body, data)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.metrics.num_requests.inc()
-        if not self.is_authorized(request):
-            self.metrics.num_errors.inc()
-            return json_error("invalid api key", 401)
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            self.metrics.num_errors.inc()
-            return json_error("request body must be a JSON object", 400)
-        start, headers = time.monotonic(), forwarded_headers(request)
-        headers["X-Request-Id"] = request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}"
+        if self.num_in_flight >= self.max_in_flight:
+            self.metrics.num_rejected.inc()
+            return web.json_response(error_body(f"the router is at capacity ({self.max_in_flight} requests in "
+                                                 f"flight); retry later", status=503), status=503,
+                                     headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.num_in_flight += 1
         self.metrics.num_in_flight.inc()
+        request_id = request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}"
         try:
+            if not self.is_authorized(request):
+                raise ClientError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+            body = await self.read_body(request)
+            body.pop("kv_transfer_params", None)  # the router's to set, never the client's
+            start, headers = time.monotonic(), self.backend_headers(request_id)
             if self.colocated is not None:  # colocated: no prefill hop
                 return await self.final_hop(request, "colocated", self.colocated, body, headers, start)
             is_chat = request.path.endswith("/chat/completions")
@@ -133,39 +209,50 @@ class Proxy:
                 if e.never_took_request:
                     self.release_on_prefill(prefill_url, kv_transfer_params, headers)
                 raise
+        except ClientError as e:
+            self.metrics.num_errors.inc()
+            return json_error(e.message, e.status)
         except BackendError as e:
             level = logging.INFO if e.body is not None else logging.WARNING  # a 4xx is the client's doing
-            logger.log(level, "request %s: %s", headers["X-Request-Id"], e)
+            logger.log(level, "request %s: %s", request_id, e)
             self.metrics.num_errors.inc()
-            return e.response()
+            return e.response(self.names)
         except asyncio.CancelledError:
             self.metrics.num_client_disconnects.inc()
             raise
         finally:
+            self.num_in_flight -= 1
             self.metrics.num_in_flight.dec()
 
     async def read(self, role: str, url: str, resp: aiohttp.ClientResponse) -> bytes:
         try:
             return await resp.read()
         except NETWORK_ERRORS as e:
-            raise BackendError(role, url, describe(e)) from e
+            raise BackendError(role, url, describe(e), public_detail=public_detail(e)) from e
         finally:
             resp.close()
 
     async def post(self, role: str, url: str, path: str, body: dict, headers: dict) -> aiohttp.ClientResponse:
         """POST body to url+path; return the 2xx response still unread, or raise BackendError."""
+        self.metrics.backend_request(role, self.names[url])
         try:
             resp = await self.session.post(url + path, json=body, headers=headers)
         except NETWORK_ERRORS as e:
-            raise BackendError(role, url, describe(e),
+            raise BackendError(role, url, describe(e), public_detail=public_detail(e),
                                never_took_request=isinstance(e, aiohttp.ClientConnectorError)) from e
         if resp.status < 400:
             return resp
         data = await self.read(role, url, resp)
+        if resp.status in (401, 403):  # the backend refused the router itself: a deployment error
+            raise BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')} (do the "
+                                          f"router and the instances share one router key?)",
+                               public_detail="refused the router", never_took_request=True)
         if resp.status < 500:  # the client's mistake: its own status and body
             raise BackendError(role, url, f"HTTP {resp.status}", resp.status, data,
                                resp.headers.get("Content-Type", "application/json"), never_took_request=True)
+        message = error_message_of(data)  # a pdserve instance words its errors for clients already
         raise BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')}",
+                           public_detail=f"failed: {message}" if message else f"failed (HTTP {resp.status})",
                            never_took_request=True)
 
     async def prefill_hop(self, path: str, body: dict, headers: dict, is_chat: bool) -> tuple[str, dict]:
@@ -179,6 +266,8 @@ class Proxy:
             try:
                 data = await self.read("prefill", url, await self.post("prefill", url, path, prefill_body, headers))
             except BackendError as e:
+                if e.is_retryable:
+                    self.metrics.backend_error("prefill", self.names[url])
                 failed_urls.append(url)
                 if not e.is_retryable or len(failed_urls) == 2:
                     raise
@@ -189,7 +278,9 @@ class Proxy:
             finally:
                 self.prefill.release(url)
             if (params := kv_transfer_params_of(data)) is None:
-                raise BackendError("prefill", url, "no kv_transfer_params in its answer (is it a KV producer?)")
+                self.metrics.backend_error("prefill", self.names[url])
+                raise BackendError("prefill", url, "no kv_transfer_params in its answer (is it a KV producer?)",
+                                   public_detail="answered without kv_transfer_params (is it a KV producer?)")
             self.metrics.prefill_seconds.observe(time.monotonic() - start)
             return url, params
         raise error  # every P failed (with one P: no retry)
@@ -223,6 +314,10 @@ class Proxy:
                     "X-Request-Id": headers["X-Request-Id"]})
             finally:
                 resp.close()  # unread: drops the connection, so the backend aborts the request
+        except BackendError as e:
+            if e.is_retryable:
+                self.metrics.backend_error(role, self.names[url])
+            raise
         finally:
             pool.release(url)
 
@@ -237,10 +332,13 @@ class Proxy:
                 try:
                     chunk = await resp.content.readany()
                 except NETWORK_ERRORS as e:  # the status line went out already: an SSE error event
-                    error = BackendError(role, url, f"{describe(e)} (mid-stream)")
+                    error = BackendError(role, url, f"{describe(e)} (mid-stream)",
+                                         public_detail=f"{public_detail(e)} mid-stream")
                     logger.warning("request %s: %s", headers["X-Request-Id"], error)
                     self.metrics.num_errors.inc()
-                    await out.write(sse_event(error_body(str(error), status=502, type="backend_error")) + SSE_DONE)
+                    self.metrics.backend_error(role, self.names[url])
+                    await out.write(sse_event(error_body(error.public_message(self.names), status=502,
+                                                         type="backend_error")) + SSE_DONE)
                     break
                 if not chunk:
                     break
@@ -253,23 +351,41 @@ class Proxy:
             self.metrics.num_client_disconnects.inc()
         return out
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def passthrough(self, request: web.Request) -> web.Response:
+        """GET /v1/models, POST /tokenize, /detokenize: asked of one decode (or colocated) instance."""
         if not self.is_authorized(request):
-            return json_error("invalid api key", 401)
-        url = (self.colocated or self.decode).urls[0]
+            return json_error("invalid or missing API key (Authorization: Bearer <key>)", 401)
+        pool = self.colocated or self.decode
+        url = pool.pick()
+        headers = self.backend_headers(request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}")
         try:
-            async with self.session.get(url + "/v1/models", headers=forwarded_headers(request)) as resp:
+            data = None if request.method == "GET" else await self.read_body(request)
+            async with self.session.request(request.method, url + request.path, json=data, headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                if resp.status in (401, 403):
+                    raise BackendError("decode", url, f"HTTP {resp.status}", public_detail="refused the router")
                 return web.Response(status=resp.status, body=await resp.read(),
                                     headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+        except ClientError as e:
+            return json_error(e.message, e.status)
         except NETWORK_ERRORS as e:
-            return json_error(f"models backend {url} failed: {describe(e)}", 502, "backend_error")
+            logger.warning("%s %s on %s failed: %s", request.method, request.path, url, describe(e))
+            return json_error(f"the {self.names[url]} instance {public_detail(e)}", 502, "backend_error")
+        except BackendError as e:
+            logger.warning("%s %s: %s", request.method, request.path, e)
+            return e.response(self.names)
+        finally:
+            pool.release(url)
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the proxy is up; each backend's own /health, probed with a short timeout, as detail."""
+        """200 while the proxy is up; each backend's own /health, probed with a short timeout, as detail.
+        Backends are named by pool and index, as everywhere a client can see."""
         pools = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}
-        backends = {role: [{"url": url} for url in pool.urls] for role, pool in pools.items() if pool is not None}
+        backends = {role: [{"name": self.names[url]} for url in pool.urls]
+                    for role, pool in pools.items() if pool is not None}
+        urls = [url for pool in pools.values() if pool is not None for url in pool.urls]
         entries = [entry for role_entries in backends.values() for entry in role_entries]
-        for entry, (is_healthy, detail) in zip(entries, await asyncio.gather(*(self.probe(e["url"]) for e in entries))):
+        for entry, (is_healthy, detail) in zip(entries, await asyncio.gather(*(self.probe(url) for url in urls))):
             entry.update(healthy=is_healthy, detail=detail)
         return web.json_response({"status": "ok", "mode": "colocated" if self.colocated else "pd",
                                   "backends": backends})
@@ -279,7 +395,7 @@ class Proxy:
             async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
                 return resp.status == 200, f"HTTP {resp.status}"
         except NETWORK_ERRORS as e:
-            return False, describe(e)
+            return False, public_detail(e)
 
     async def render_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -296,7 +412,8 @@ def normalize_url(url: str) -> str:
 def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
                     colocated_urls: Sequence[str] | None = None, api_key: str | None = None,
                     timeout: float = 600.0, connect_timeout: float = 10.0,
-                    max_connections: int = 1024) -> web.Application:
+                    max_connections: int = 1024, *, router_key: str | None = None, max_in_flight: int = 4096,
+                    max_body_bytes: int = 32 << 20, body_timeout: float = 30.0) -> web.Application:
     """P/D mode needs prefill_urls and decode_urls; colocated mode needs only colocated_urls.
 
     timeout: seconds a backend may stay silent (between bytes) before the hop fails.
@@ -306,24 +423,23 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
         raise ValueError("colocated_urls: use either colocated backends or prefill+decode backends, not both")
     if not pools[2] and not (pools[0] and pools[1]):
         raise ValueError("prefill_urls/decode_urls: P/D mode needs at least one of each (or use colocated_urls)")
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
     prefill, decode, colocated = (RoundRobin(urls) if urls else None for urls in pools)
-    proxy = Proxy(prefill, decode, colocated, api_key, timeout, connect_timeout, max_connections)
-    app = web.Application()
+    proxy = Proxy(prefill, decode, colocated, api_key, timeout, connect_timeout, max_connections,
+                  router_key=router_key, max_in_flight=max_in_flight, body_timeout=body_timeout,
+                  max_body_bytes=max_body_bytes)
+    app = web.Application(client_max_size=max_body_bytes)
     app[PROXY_KEY] = proxy
     app.cleanup_ctx.append(proxy.session_ctx)
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.completions)
-    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/v1/models", proxy.passthrough)
+    app.router.add_post("/tokenize", proxy.passthrough)
+    app.router.add_post("/detokenize", proxy.passthrough)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/metrics", proxy.render_metrics)
     return app
-
-
-def run_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], colocated_urls: Sequence[str] | None = None,
-              host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, timeout: float = 600.0) -> None:
-    app = build_proxy_app(prefill_urls, decode_urls, colocated_urls, api_key=api_key, timeout=timeout)
-    # handler_cancellation: a client disconnect cancels the handler, which closes the hop in progress.
-    web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None)
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -333,16 +449,27 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="colocated instances: round-robin, no P/D")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"clients must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; prefer the "
+                             f"variable, a flag is visible to every local user in ps)")
+    parser.add_argument("--router-key", default=os.environ.get(ROUTER_KEY_ENV),
+                        help=f"the secret the instances expect from the router (default: ${ROUTER_KEY_ENV}); "
+                             f"the client's own Authorization is never forwarded")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a backend may stay silent")
+    parser.add_argument("--max-in-flight", type=int, default=4096,
+                        help="requests served at once; more get a 503 with Retry-After")
+    parser.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body")
 
 
 def main_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run_proxy(args.prefill, args.decode, args.colocated, host=args.host, port=args.port,
-                  api_key=args.api_key, timeout=args.timeout)
+        app = build_proxy_app(args.prefill, args.decode, args.colocated, api_key=args.api_key,
+                              timeout=args.timeout, router_key=args.router_key, max_in_flight=args.max_in_flight,
+                              max_body_bytes=args.max_body_bytes)
     except ValueError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2
+    # handler_cancellation: a client disconnect cancels the handler, which closes the hop in progress.
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None)
     return 0

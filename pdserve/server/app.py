@@ -1,51 +1,63 @@
-"""OpenAI-compatible HTTP server over an AsyncEngine: routes, SSE, /health, /metrics.
+"""OpenAI-compatible HTTP server over an AsyncEngine: routes, SSE, /health, /metrics, /tokenize.
 
 One generation request (POST /v1/completions or /v1/chat/completions), step by step:
-  1. middleware: the Bearer key when one is set (paths under /v1 only); every error leaves as
-     OpenAI-style JSON with its HTTP status, and an unexpected exception as a 500
-  2. parse the JSON body into a CompletionRequest / ChatCompletionRequest (protocol.py; 400 on error)
-  3. check the model name (404), turn the prompt into token ids (tokenizer or chat template, in one
-     tokenizer thread so the event loop keeps streaming), check the length against max_model_len (400)
-  4. engine.generate(request_id, prompt_token_ids, params, kv_transfer_params); the first output is
+  1. middleware: the router key (X-PDServe-Router-Key) or the Bearer API key when one is set (every
+     path but /health and /metrics); every error leaves as OpenAI-style JSON with its HTTP status, and an
+     unexpected exception as a 500 whose details stay in the log
+  2. admission: past max_num_seqs + max_queued_requests in flight, a 503 with Retry-After
+  3. read the body within body_timeout_s (408) and at most max_body_bytes (413); parse it (off the event
+     loop when large) into a CompletionRequest / ChatCompletionRequest (protocol.py; 400 naming the field);
+     kv_transfer_params only from the router (403)
+  4. check the model name, the prompt's characters before tokenizing (400), then tokenize (or apply the
+     chat template) on a lane thread: small prompts and large ones on separate threads, each with its own
+     tokenizer, so the event loop keeps streaming and one large prompt never holds up small ones; check
+     the length against max_model_len (400)
+  5. engine.generate(request_id, prompt_token_ids, params, kv_transfer_params); the first output is
      awaited before any byte is sent, so an engine that refuses the request (ValueError) gives a 400
-  5. stream: one SSE chunk per output with text, the finish reason on the last, then an optional usage
+  6. stream: one SSE chunk per output with text, the finish reason on the last, then an optional usage
      chunk and [DONE]; an engine error becomes an error event. Non-stream: collect, answer one JSON
-     body that also carries the engine's final kv_transfer_params (the P/D proxy reads them)
-  6. always: if the request did not finish (client gone, error, cancellation), close the engine's
-     output stream and engine.abort(request_id), so its blocks are freed
+     body that also carries the engine's final kv_transfer_params (the P/D proxy reads them). The whole
+     request runs under request_timeout_s: a 504 before the first byte, an error event after it
+  7. always: if the request did not finish (client gone, error, deadline, cancellation), close the
+     engine's output stream and engine.abort(request_id), so its blocks are freed
 
-A client that goes away cancels the handler: run_server/start_server turn on aiohttp's
-handler_cancellation; under a runner without it, a watcher task polls the transport and cancels the
-handler itself, and a failed SSE write ends a stream.
+A client that goes away cancels the handler: start_server turns on aiohttp's handler_cancellation; under
+a runner without it, a watcher task polls the transport and cancels the handler itself, and a failed SSE
+write ends a stream. docs/security.md has the threat model and every limit.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hmac
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jinja2
 from aiohttp import web
 
 from pdserve import protocol
+from pdserve.config import ServerConfig
 from pdserve.metrics import CONTENT_TYPE
-from pdserve.server.metrics import ServerMetrics
 from pdserve.outputs import FinishReason, RequestOutput
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from pdserve.protocol import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, ProtocolError
+from pdserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 1024 * 1024     # a 128k-token prompt as a JSON id list is about 1 MB
 DISCONNECT_POLL_S = 0.5
-
-# Keys a client may not set through chat_template_kwargs: the server sets them.
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt",
-                             "return_dict", "return_tensors", "padding", "truncation"}
+ROUTER_KEY_HEADER = "X-PDServe-Router-Key"
+OPEN_PATHS = frozenset({"/health", "/metrics"})   # probes and scrapers need no key
+RETRY_AFTER_S = 1                     # what a 503 at capacity tells the client to wait
+INLINE_PARSE_BYTES = 64 << 10         # larger bodies are parsed on the large lane, off the event loop
+SMALL_INPUT_CHARS = 16 << 10          # prompts up to this many characters take the small lane
+IS_ROUTER_KEY = web.RequestKey("pdserve_is_router", bool)
 
 
 class _Generation:
@@ -76,7 +88,7 @@ class _Generation:
             output = _error_output(self.request_id, f"engine error: {e}")
         except Exception as e:   # noqa: BLE001 - an engine failure ends this request, not the server
             logger.exception("request %s: engine failed", self.request_id)
-            output = _error_output(self.request_id, f"engine error: {type(e).__name__}: {e}")
+            output = _error_output(self.request_id, "internal engine error")   # details: the log above
         else:
             self.is_finished = output.finished
         self.num_outputs += 1
@@ -157,23 +169,37 @@ def json_error(status: int, message: str, param: str | None = None,
 class OpenAIServer:
     """Route handlers over one engine."""
 
-    def __init__(self, engine: Any, api_key: str | None = None) -> None:
+    def __init__(self, engine: Any, config: ServerConfig | None = None) -> None:
         self.engine = engine
-        self.api_key = api_key
+        self.config = config = config or ServerConfig()
+        config.validate()
         self.metrics = ServerMetrics()
-        # One thread: tokenizers are not safe to share across threads, and the loop must not block.
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-tokenizer")
+        self.max_body_bytes, self.max_prompt_chars = config.resolve_limits(engine.max_model_len)
+        # Admission: what the engine can run at once plus a bounded queue; more is a 503, not a backlog.
+        max_num_seqs = getattr(getattr(getattr(engine, "config", None), "scheduler", None), "max_num_seqs", 256)
+        self.max_in_flight = max_num_seqs + config.max_queued_requests
+        self.num_in_flight = 0
+        # Two lanes, one thread each, each with its own tokenizer (a tokenizer is not safe to share
+        # across threads): small inputs never wait behind a large one, and the event loop never parses
+        # or tokenizes anything large itself.
+        self._lanes = {lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pdserve-{lane}")
+                       for lane in ("small", "large")}
+        self._lane_tokenizers = threading.local()
 
     # ------------------------------------------------------------------ middleware
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            if self.api_key is not None and request.path.startswith("/v1"):
-                self._check_api_key(request)
+            request[IS_ROUTER_KEY] = is_router = _secret_matches(request.headers.get(ROUTER_KEY_HEADER),
+                                                                 self.config.router_key)
+            if self.config.api_key is not None and request.path not in OPEN_PATHS and not is_router:
+                if not _secret_matches(request.headers.get("Authorization"), f"Bearer {self.config.api_key}"):
+                    raise ProtocolError(401, "invalid or missing API key (Authorization: Bearer <key>)")
             return await handler(request)
         except ProtocolError as e:
-            return json_error(e.status, e.message, e.param)
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+            return json_error(e.status, e.message, e.param, headers=headers)
         except web.HTTPException as e:   # 404, 405 (with its Allow header), 413 ...
             if e.status < 400:
                 raise
@@ -181,14 +207,14 @@ class OpenAIServer:
             return json_error(e.status, f"{e.reason}: {request.method} {request.path}", headers=headers)
         except (asyncio.CancelledError, ConnectionError):
             raise
-        except Exception as e:   # noqa: BLE001 - nothing a client sends may take the server down
+        except Exception:   # noqa: BLE001 - nothing a client sends may take the server down
             logger.exception("%s %s failed", request.method, request.path)
-            return json_error(500, f"internal server error: {type(e).__name__}: {e}")
+            return json_error(500, "internal server error")   # the details are in the log, not for clients
 
-    def _check_api_key(self, request: web.Request) -> None:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise ProtocolError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+    def _may_transfer_kv(self, request: web.Request) -> bool:
+        """kv_transfer_params pin a P's blocks or make a D connect where they say: the router's to send.
+        Without a router key, start-up allowed only a loopback address (see cli.py)."""
+        return self.config.router_key is None or request[IS_ROUTER_KEY]
 
     # ------------------------------------------------------------------ small routes
 
@@ -197,17 +223,21 @@ class OpenAIServer:
                                                           self.engine.max_model_len))
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while the engine steps; 503 with the reason when its process died, it reported itself
+        broken, or it has been silent past its stall bound."""
         try:
-            is_healthy = bool(self.engine.is_healthy())
+            is_healthy, reason = _engine_health(self.engine)
         except Exception:   # noqa: BLE001
-            logger.exception("engine.is_healthy failed")
-            is_healthy = False
-        return web.Response(status=200) if is_healthy else json_error(503, "engine is not healthy")
+            logger.exception("engine health check failed")
+            is_healthy, reason = False, "the engine's health could not be read"
+        return web.Response(status=200) if is_healthy else json_error(503, f"engine is not healthy: {reason}")
 
     async def release_kv(self, request: web.Request) -> web.Response:
         """POST /v1/kv/release {"kv_transfer_params": <what this P answered>}: the proxy's decode hop
         failed before a D took the request, so free the blocks held for it now, not at lease expiry."""
-        body = await _read_json(request)
+        if not self._may_transfer_kv(request):
+            raise ProtocolError(403, "only the router may release KV blocks", "kv_transfer_params")
+        body = await self._read_body(request)
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if not isinstance(params, dict):
             return json_error(400, "expected {\"kv_transfer_params\": {...}}", "kv_transfer_params")
@@ -225,21 +255,113 @@ class OpenAIServer:
     # ------------------------------------------------------------------ generation routes
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = CompletionRequest.from_json(await _read_json(request))
-        self._check_model(req.model)
-        if isinstance(req.prompt, str):
-            tokenizer = self._require_tokenizer()
-            prompt_token_ids = await self._in_tokenizer_thread(lambda: _tokenize(tokenizer, req.prompt))
-        else:
-            prompt_token_ids = req.prompt
-        return await self._generate(request, req, prompt_token_ids, is_chat=False)
+        with self._admit():
+            req = await self._parse(request, CompletionRequest)
+            if isinstance(req.prompt, str):
+                self._check_prompt_chars(len(req.prompt), "prompt")
+                prompt_token_ids = await self._tokenize_in_lane(len(req.prompt), _tokenize, req.prompt)
+            else:
+                prompt_token_ids = req.prompt
+            return await self._generate(request, req, prompt_token_ids, is_chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = ChatCompletionRequest.from_json(await _read_json(request))
+        with self._admit():
+            req = await self._parse(request, ChatCompletionRequest)
+            num_chars = sum(len(m["content"]) for m in req.messages)
+            self._check_prompt_chars(num_chars, "messages")
+            prompt_token_ids = await self._tokenize_in_lane(num_chars, _apply_chat_template, req)
+            return await self._generate(request, req, prompt_token_ids, is_chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize, as vLLM serves it: {"prompt": str} or {"messages": [...]} → the token ids."""
+        body = await self._read_body(request)
+        is_chat = isinstance(body, dict) and "messages" in body
+        req = ChatCompletionRequest.from_json(body) if is_chat else CompletionRequest.from_json(body)
         self._check_model(req.model)
-        tokenizer = self._require_tokenizer()
-        prompt_token_ids = await self._in_tokenizer_thread(lambda: _apply_chat_template(tokenizer, req))
-        return await self._generate(request, req, prompt_token_ids, is_chat=True)
+        if is_chat:
+            num_chars = sum(len(m["content"]) for m in req.messages)
+            self._check_prompt_chars(num_chars, "messages")
+            token_ids = await self._tokenize_in_lane(num_chars, _apply_chat_template, req)
+        elif isinstance(req.prompt, str):
+            self._check_prompt_chars(len(req.prompt), "prompt")
+            add_special_tokens = body.get("add_special_tokens", True)
+            if not isinstance(add_special_tokens, bool):
+                raise ProtocolError(400, "add_special_tokens: expected a boolean", "add_special_tokens")
+            token_ids = await self._tokenize_in_lane(len(req.prompt), _tokenize, req.prompt, add_special_tokens)
+        else:
+            token_ids = req.prompt
+        return web.json_response({"count": len(token_ids), "max_model_len": self.engine.max_model_len,
+                                  "tokens": token_ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize {"tokens": [ids]} → {"prompt": text}."""
+        body = await self._read_body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(_is_token_id(t) for t in tokens):
+            raise ProtocolError(400, "tokens: expected a list of token ids", "tokens")
+        self._check_model(body.get("model"))
+        if len(tokens) > self.engine.max_model_len:
+            raise ProtocolError(400, f"tokens: at most {self.engine.max_model_len} (the model's length)", "tokens")
+        vocab_size = getattr(self.engine, "vocab_size", None)
+        if tokens and vocab_size is not None and max(tokens) >= vocab_size:
+            raise ProtocolError(400, f"tokens: id {max(tokens)} is out of the vocabulary (size {vocab_size})",
+                                "tokens")
+        text = await self._tokenize_in_lane(len(tokens), _detokenize, tokens)
+        return web.json_response({"prompt": text})
+
+    # ------------------------------------------------------------------ the door
+
+    @contextlib.contextmanager
+    def _admit(self):
+        """Count the request in flight from its first byte to its last; refuse it past the limit."""
+        if self.num_in_flight >= self.max_in_flight:
+            self.metrics.request_rejected.inc()
+            raise ProtocolError(503, f"the server is at capacity ({self.max_in_flight} requests in flight); "
+                                     f"retry later")
+        self.num_in_flight += 1
+        try:
+            yield
+        finally:
+            self.num_in_flight -= 1
+
+    async def _read_body(self, request: web.Request) -> Any:
+        """The JSON body, read within body_timeout_s (a slow upload holds a connection, not the server)
+        and parsed off the event loop when large."""
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                body = await request.read()
+        except TimeoutError:
+            raise ProtocolError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s")
+        if len(body) <= INLINE_PARSE_BYTES:
+            return _parse_json(body)
+        return await asyncio.get_running_loop().run_in_executor(self._lanes["large"], _parse_json, body)
+
+    async def _parse(self, request: web.Request, schema: Any) -> Any:
+        body = await self._read_body(request)
+        req = schema.from_json(body)
+        self._check_model(req.model)
+        if req.kv_transfer_params is not None and not self._may_transfer_kv(request):
+            raise ProtocolError(403, "kv_transfer_params are accepted only from the router", "kv_transfer_params")
+        return req
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Before tokenizing: a prompt far longer than the context would only keep a tokenizer busy."""
+        if num_chars > self.max_prompt_chars:
+            raise ProtocolError(400, f"{param}: {num_chars} characters, more than this server takes "
+                                     f"({self.max_prompt_chars}, for a context of {self.engine.max_model_len} "
+                                     f"tokens)", param)
+
+    async def _tokenize_in_lane(self, size: int, fn: Any, *args: Any) -> Any:
+        """fn(tokenizer, *args) on the small or the large lane's thread, with that thread's tokenizer."""
+        self._require_tokenizer()
+        lane = "small" if size <= SMALL_INPUT_CHARS else "large"
+        return await asyncio.get_running_loop().run_in_executor(self._lanes[lane], self._in_lane, fn, args)
+
+    def _in_lane(self, fn: Any, args: tuple) -> Any:
+        tokenizer = getattr(self._lane_tokenizers, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._lane_tokenizers.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        return fn(tokenizer, *args)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.engine.served_model_name:
@@ -253,8 +375,8 @@ class OpenAIServer:
                                      "with a prompt of token ids is supported", "prompt")
         return tokenizer
 
-    async def _in_tokenizer_thread(self, fn: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
+    def _timeout_message(self) -> str:
+        return f"the request did not finish within the server's limit of {self.config.request_timeout_s:g} s"
 
     def _with_token_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
         # Without a tokenizer (dummy weights) token ids are the only output there is to show.
@@ -290,11 +412,16 @@ class OpenAIServer:
         except ValueError as e:
             raise ProtocolError(400, str(e)) from None
         watcher = _watch_disconnect(request, generation)
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
         try:
-            first = await generation.next()
-            if req.stream:
-                return await self._stream(request, req, generation, first, is_chat=is_chat)
-            return await self._collect(req, generation, first, is_chat=is_chat)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    first = await generation.next()
+                    if not req.stream:
+                        return await self._collect(req, generation, first, is_chat=is_chat)
+            except TimeoutError:
+                raise ProtocolError(504, self._timeout_message()) from None
+            return await self._stream(request, req, generation, first, deadline, is_chat=is_chat)
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -320,47 +447,53 @@ class OpenAIServer:
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest,
-                      generation: _Generation, output: RequestOutput, *, is_chat: bool) -> web.StreamResponse:
+                      generation: _Generation, output: RequestOutput, deadline: float, *,
+                      is_chat: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
         request_id, model, created = generation.request_id, self.engine.served_model_name, int(time.time())
         with_token_ids = self._with_token_ids(req)
         try:
-            if is_chat:
-                await response.write(protocol.sse_event(protocol.chat_chunk(
-                    request_id, model, created, {"role": "assistant", "content": ""})))
-            while True:
-                if (message := error_message(output)) is not None:
-                    await response.write(protocol.sse_event(protocol.error_body(message, status=500)))
-                    break
-                finish_reason = _finish_reason(output)
-                token_ids = output.new_token_ids if with_token_ids else None
-                if output.new_text or token_ids or finish_reason is not None:
-                    if is_chat:
-                        delta = {"content": output.new_text} if output.new_text else {}
-                        chunk = protocol.chat_chunk(request_id, model, created, delta, finish_reason, token_ids)
-                    else:
-                        chunk = protocol.completion_chunk(request_id, model, created, output.new_text,
-                                                          finish_reason, token_ids)
-                    if finish_reason is not None and output.kv_transfer_params is not None:
-                        chunk["kv_transfer_params"] = output.kv_transfer_params
-                    await response.write(protocol.sse_event(chunk))
-                if output.finished:
-                    if req.include_usage:
-                        await response.write(protocol.sse_event(protocol.usage_chunk(
-                            request_id, model, created, _usage(output), chat=is_chat)))
-                    break
-                output = await generation.next()
+            async with asyncio.timeout_at(deadline):
+                if is_chat:
+                    await response.write(protocol.sse_event(protocol.chat_chunk(
+                        request_id, model, created, {"role": "assistant", "content": ""})))
+                while True:
+                    if (message := error_message(output)) is not None:
+                        await response.write(protocol.sse_event(protocol.error_body(message, status=500)))
+                        break
+                    finish_reason = _finish_reason(output)
+                    token_ids = output.new_token_ids if with_token_ids else None
+                    if output.new_text or token_ids or finish_reason is not None:
+                        if is_chat:
+                            delta = {"content": output.new_text} if output.new_text else {}
+                            chunk = protocol.chat_chunk(request_id, model, created, delta, finish_reason, token_ids)
+                        else:
+                            chunk = protocol.completion_chunk(request_id, model, created, output.new_text,
+                                                              finish_reason, token_ids)
+                        if finish_reason is not None and output.kv_transfer_params is not None:
+                            chunk["kv_transfer_params"] = output.kv_transfer_params
+                        await response.write(protocol.sse_event(chunk))
+                    if output.finished:
+                        if req.include_usage:
+                            await response.write(protocol.sse_event(protocol.usage_chunk(
+                                request_id, model, created, _usage(output), chat=is_chat)))
+                        break
+                    output = await generation.next()
             await response.write(protocol.SSE_DONE)
             await response.write_eof()
+        except TimeoutError:
+            with contextlib.suppress(Exception):
+                await response.write(protocol.sse_event(protocol.error_body(self._timeout_message(), status=504)))
+                await response.write(protocol.SSE_DONE)
+                await response.write_eof()
         except ConnectionError:   # the client went away mid-stream; _generate's finally aborts
             logger.debug("request %s: client disconnected", request_id)
-        except Exception as e:   # noqa: BLE001 - headers are out: report in-band, then end the stream
+        except Exception:   # noqa: BLE001 - headers are out: report in-band, then end the stream
             logger.exception("request %s: streaming failed", request_id)
             with contextlib.suppress(Exception):
-                await response.write(protocol.sse_event(protocol.error_body(
-                    f"internal server error: {type(e).__name__}: {e}", status=500)))
+                await response.write(protocol.sse_event(protocol.error_body("internal server error", status=500)))
                 await response.write(protocol.SSE_DONE)
                 await response.write_eof()
         return response
@@ -370,34 +503,59 @@ def _usage(output: RequestOutput) -> dict[str, Any]:
     return protocol.usage(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
 
 
-async def _read_json(request: web.Request) -> Any:
-    body = await request.read()
+def _parse_json(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
         raise ProtocolError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def _tokenize(tokenizer: Any, text: str) -> list[int]:
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+
+
+def _tokenize(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     try:
-        return [int(t) for t in tokenizer(text).input_ids]   # special tokens per the tokenizer's default
-    except Exception as e:   # noqa: BLE001 - e.g. lone surrogates the Rust tokenizer refuses
-        raise ProtocolError(400, f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt") from None
+        return [int(t) for t in tokenizer(text, add_special_tokens=add_special_tokens).input_ids]
+    except Exception:   # noqa: BLE001 - e.g. lone surrogates the Rust tokenizer refuses
+        raise ProtocolError(400, "cannot tokenize the prompt (invalid characters?)", "prompt") from None
+
+
+def _detokenize(tokenizer: Any, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids)
 
 
 def _apply_chat_template(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    kwargs = {k: v for k, v in req.chat_template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    # protocol.py refuses reserved keys; dropping them again keeps this safe for any caller.
+    kwargs = {k: v for k, v in req.chat_template_kwargs.items() if k not in RESERVED_TEMPLATE_KWARGS}
     try:
         result = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
                                                tokenize=True, **kwargs)
     except Exception as e:   # noqa: BLE001 - template errors (role order, missing template) are the request's
-        raise ProtocolError(400, f"cannot apply the chat template: {type(e).__name__}: {e}", "messages") from None
+        # jinja2's TemplateError text is the template's own message (e.g. "roles must alternate").
+        reason = str(e) if isinstance(e, jinja2.TemplateError) else "the messages do not fit it"
+        raise ProtocolError(400, f"cannot apply the chat template: {reason}", "messages") from None
     # transformers 5 returns a BatchEncoding (a Mapping), older versions a list of ids.
     if isinstance(result, Mapping):
         result = result["input_ids"]
     if result and isinstance(result[0], list):
         result = result[0]
     return [int(t) for t in result]
+
+
+def _secret_matches(given: str | None, expected: str | None) -> bool:
+    """Constant-time comparison of a header with a secret. aiohttp hands over non-UTF-8 header bytes as
+    surrogate escapes: they are a wrong key (401), not an encoding error (500)."""
+    if given is None or expected is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())
+
+
+def _engine_health(engine: Any) -> tuple[bool, str]:
+    health = getattr(engine, "health", None)
+    if health is not None:
+        return health()
+    return (True, "") if engine.is_healthy() else (False, "the engine process is not running")
 
 
 def _watch_disconnect(request: web.Request, generation: _Generation) -> asyncio.Task | None:
@@ -420,43 +578,37 @@ async def _cancel_when_gone(request: web.Request, generation: _Generation, handl
 SERVER_KEY = web.AppKey("pdserve_server", OpenAIServer)   # app[SERVER_KEY]: the handlers and their metrics
 
 
-def build_app(engine: Any, *, api_key: str | None = None) -> web.Application:
+def build_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
     """The aiohttp application. Run it with handler_cancellation=True (as start_server does) so a client
     that goes away aborts its request at once."""
-    server = OpenAIServer(engine, api_key=api_key)
-    app = web.Application(middlewares=[server.middleware], client_max_size=MAX_BODY_BYTES)
+    server = OpenAIServer(engine, config)
+    app = web.Application(middlewares=[server.middleware], client_max_size=server.max_body_bytes)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
+    app.router.add_post("/tokenize", server.tokenize)
+    app.router.add_post("/detokenize", server.detokenize)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.metrics_text)
     app.router.add_post("/v1/kv/release", server.release_kv)
 
-    async def shutdown_tokenizer_pool(app: web.Application) -> None:
-        server._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+    async def shutdown_lanes(app: web.Application) -> None:
+        for lane in server._lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
 
-    app.on_cleanup.append(shutdown_tokenizer_pool)
+    app.on_cleanup.append(shutdown_lanes)
     app[SERVER_KEY] = server
     return app
 
 
-async def start_server(engine: Any, host: str = "127.0.0.1", port: int = 0, *,
-                       api_key: str | None = None, access_log: bool = False) -> tuple[web.AppRunner, int]:
+async def start_server(engine: Any, host: str = "127.0.0.1", port: int = 0, config: ServerConfig | None = None,
+                       *, access_log: bool = False) -> tuple[web.AppRunner, int]:
     """Start serving on the running loop; returns the runner (await runner.cleanup() to stop) and the
     bound port (useful with port=0)."""
-    runner = web.AppRunner(build_app(engine, api_key=api_key), handler_cancellation=True,
+    runner = web.AppRunner(build_app(engine, config), handler_cancellation=True,
                            access_log=logging.getLogger("aiohttp.access") if access_log else None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound_port = runner.addresses[0][1] if runner.addresses else port
     return runner, bound_port
-
-
-def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               *, access_log: bool = False) -> None:
-    """Serve until SIGINT/SIGTERM (blocks). Creates its own event loop."""
-    web.run_app(build_app(engine, api_key=api_key), host=host, port=port, handler_cancellation=True,
-                access_log=logging.getLogger("aiohttp.access") if access_log else None,
-                print=lambda *args: logger.info("pdserve serving %s on http://%s:%d",
-                                                engine.served_model_name, host, port))

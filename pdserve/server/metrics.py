@@ -66,6 +66,8 @@ class ServerMetrics:
         self.request_failure = Counter(p + "request_failure_total", "Requests ended by an engine error.", registry=r)
         self.request_abort = Counter(p + "request_abort_total", "Requests aborted because the client went away.",
                                      registry=r)
+        self.request_rejected = Counter(p + "request_rejected_total",
+                                        "Requests refused with a 503: the server was at capacity.", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival at the server to the first generated token.",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between generated tokens.",

@@ -31,3 +31,50 @@ def test_up_passes_role_flags_to_their_side_and_refuses_bad_ones(monkeypatch, ca
     assert calls["prefill_args"] == ["--no-prefix-caching"]
     assert cli.main(["up", "--decode-args", "--max-num-sqes 512"]) == 2
     assert "--decode-args" in capsys.readouterr().err
+
+
+def test_a_pd_instance_on_a_public_address_needs_a_router_key(monkeypatch, capsys):
+    monkeypatch.delenv("PDSERVE_ROUTER_KEY", raising=False)
+    args = cli.build_parser().parse_args(["serve", "--kv-connector", "nixl", "--host", "0.0.0.0"])
+    assert cli.serve_main(args) == 2
+    assert "router_key" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["serve", "--kv-connector", "nixl", "--host", "10.1.2.3",
+                                          "--router-key", "s3cret-router-key"])
+    config = cli.engine_config_from_args(args)
+    assert config.kv_transfer.auth_key == "s3cret-router-key" and config.kv_transfer.side_channel_host == "10.1.2.3"
+    assert "s3cret" not in repr(config.kv_transfer)   # a secret stays out of logs
+
+
+def test_keys_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", "client-key")
+    monkeypatch.setenv("PDSERVE_ROUTER_KEY", "router-key")
+    args = cli.build_parser().parse_args(["serve"])
+    server = cli.server_config_from_args(args)
+    assert (server.api_key, server.router_key) == ("client-key", "router-key")
+    proxy_args = cli.build_parser().parse_args(["proxy", "--colocated", "http://127.0.0.1:1"])
+    assert (proxy_args.api_key, proxy_args.router_key) == ("client-key", "router-key")
+
+
+def test_up_hands_keys_to_children_through_the_environment_only(monkeypatch):
+    from pdserve import cluster
+    started = []
+
+    class FakeChildren:
+        def start(self, cmd, *, name=None, env=None, stdout=None, stderr=None):
+            started.append((list(cmd), dict(env or {})))
+
+        def wait_healthy(self, urls, timeout):
+            raise RuntimeError("stop here")
+
+        def stop(self, timeout=0):
+            pass
+
+    monkeypatch.setattr(cluster, "ChildProcesses", FakeChildren)
+    monkeypatch.delenv("PDSERVE_ROUTER_KEY", raising=False)
+    assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
+                               serve_args=[], kv_transfer_config=None, device="cpu", api_key="client-key") == 1
+    (p_cmd, p_env), (d_cmd, d_env) = started
+    router_key = p_env["PDSERVE_ROUTER_KEY"]
+    assert len(router_key) >= 32 and d_env["PDSERVE_ROUTER_KEY"] == router_key
+    assert p_env["PDSERVE_API_KEY"] == router_key      # instances: only the router gets in
+    assert all(router_key not in arg and "client-key" not in arg for arg in p_cmd + d_cmd)

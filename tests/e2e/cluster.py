@@ -29,6 +29,7 @@ class Process:
         self.name = name
         self.log = open(os.path.join(log_dir, f"pdserve-{name}-{self.port}.log"), "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.router_key = env.get("PDSERVE_ROUTER_KEY")   # the test plays the router: it sends the key
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args, "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
@@ -66,9 +67,11 @@ class Process:
                 values[m.group(1)] = float(m.group(2))
         return values
 
-    def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    def post(self, path: str, body: dict, timeout: float = 120, *, as_router: bool = True) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json"}
+        if as_router and self.router_key is not None:
+            headers["X-PDServe-Router-Key"] = self.router_key
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(), headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -76,9 +79,14 @@ class Process:
             return e.code, json.loads(e.read())
 
 
-def serve(name: str, *extra: str) -> Process:
+ROUTER_KEY = "e2e-router-key"
+
+
+def serve(name: str, *extra: str, router_key: str | None = ROUTER_KEY) -> Process:
+    """An instance that, like every instance `pdserve up` starts, takes KV params only with the router key."""
     return Process(["serve", "--model", "default", "--kv-cache-memory", str(128 << 20),
-                    "--num-threads", "1", *extra], name)
+                    "--num-threads", "1", *extra], name,
+                   env={"PDSERVE_ROUTER_KEY": router_key} if router_key else None)
 
 
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.2):

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.cluster import Process, serve, wait_until
+from tests.e2e.cluster import ROUTER_KEY, Process, serve, wait_until
 
 BLOCK = 16
 KV = '{"lease_seconds": 4, "heartbeat_seconds": 1}'
@@ -28,7 +28,8 @@ def cluster():
         started += [prefill, decode, colocated]
         for p in started:
             p.wait_healthy()
-        proxy = Process(["proxy", "--prefill", prefill.url, "--decode", decode.url], "proxy")
+        proxy = Process(["proxy", "--prefill", prefill.url, "--decode", decode.url], "proxy",
+                        env={"PDSERVE_ROUTER_KEY": ROUTER_KEY})
         started.append(proxy)
         proxy.wait_healthy(60)
         yield {"prefill": prefill, "decode": decode, "colocated": colocated, "proxy": proxy}
@@ -160,12 +161,13 @@ def test_release_frees_p_blocks_before_the_lease_runs_out(cluster):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    proxy = Process(["proxy", "--prefill", prefill.url, "--decode", dead], "proxy-dead-decode")
+    proxy = Process(["proxy", "--prefill", prefill.url, "--decode", dead], "proxy-dead-decode",
+                    env={"PDSERVE_ROUTER_KEY": ROUTER_KEY})
     try:
         assert wait_until(lambda: _listening(proxy.port), timeout=60)  # /health is 503: its D is down
         status, body = proxy.post("/v1/completions", {"model": "default", "prompt": token_prompt(50, 11),
                                                       "max_tokens": 5, "temperature": 0})
-        assert status == 502 and "decode backend" in body["error"]["message"], body
+        assert status == 502 and body["error"]["message"] == "the decode-0 instance is unreachable", body
         assert wait_until(lambda: prefill.metrics()["num_blocks_held_for_transfer"] == 0, timeout=1.5)
         assert wait_until(lambda: _idle(prefill), timeout=2)
         assert prefill.metrics()["kv_lease_expirations_total"] == before
@@ -204,7 +206,8 @@ def test_disconnect_while_waiting_for_kv_frees_everything(cluster):
                        "stream": True, "kv_transfer_params": params}).encode()
     conn = socket.create_connection(("127.0.0.1", decode.port))
     conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                 b"X-PDServe-Router-Key: %s\r\nContent-Length: %d\r\n\r\n%s"
+                 % (ROUTER_KEY.encode(), len(body), body))
     assert wait_until(lambda: decode.metrics()["num_requests_waiting_for_remote_kvs"] == 1, timeout=5)
     assert decode.metrics()["kv_cache_usage_perc"] > 0
     conn.close()
@@ -218,7 +221,8 @@ def test_injected_read_failure_fail_policy_gives_clean_error(cluster):
     proxy = None
     try:
         failing.wait_healthy()
-        proxy = Process(["proxy", "--prefill", cluster["prefill"].url, "--decode", failing.url], "proxy-fail")
+        proxy = Process(["proxy", "--prefill", cluster["prefill"].url, "--decode", failing.url], "proxy-fail",
+                        env={"PDSERVE_ROUTER_KEY": ROUTER_KEY})
         proxy.wait_healthy(60)
         status, body = proxy.post("/v1/completions", {"model": "default", "prompt": token_prompt(40, 1),
                                                       "max_tokens": 5, "temperature": 0})

@@ -130,6 +130,7 @@ def test_unreachable_remote_fails_request(make_worker):
     _, recving = poll([d], lambda s, r: "d-req" in r)
     assert recving == ["d-req"]
     assert d.get_block_ids_with_load_errors() == {1, 2}
-    assert d.get_load_error("d-req").startswith(f"handshake with remote engine gone-p at 127.0.0.1:{port} failed")
+    error = d.get_load_error("d-req")
+    assert error.startswith("handshake with remote engine gone-p failed") and str(port) not in error
     assert d.get_load_error("d-req") is None  # returned and forgotten
     assert_idle(d)

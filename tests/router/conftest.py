@@ -57,7 +57,7 @@ class FakeBackend:
         body = await request.json()
         self.received.append(Received(request.path, request.headers.copy(), body))
         is_chat = request.path.endswith("/chat/completions")
-        if self.mode in ("http500", "http400"):
+        if self.mode in ("http500", "http400", "http401"):
             status = int(self.mode[4:])
             return web.json_response(protocol.error_body(f"{self.role} says {status}", status=status), status=status)
         if self.mode == "slow":  # a long prefill, until the client goes away
@@ -129,6 +129,10 @@ class FakeBackend:
         self.releases.append(await request.json())
         return web.json_response({"status": "accepted"}, status=202)
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        self.received.append(Received(request.path, request.headers.copy(), await request.json()))
+        return web.json_response({"count": 2, "max_model_len": 2048, "tokens": [1, 2]})
+
     async def models(self, request: web.Request) -> web.Response:
         self.received.append(Received(request.path, request.headers.copy(), {}))
         return web.json_response(protocol.models_response(MODEL, 2048))
@@ -139,6 +143,7 @@ class FakeBackend:
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/v1/kv/release", self.release)
         return app
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from pdserve.config import ServerConfig
 from pdserve.server import app as app_module
 from pdserve.server.app import build_app, start_server
 
@@ -24,7 +25,7 @@ TOKENIZER = make_tiny_tokenizer()
 
 @contextlib.asynccontextmanager
 async def serving(engine: FakeEngine, **kwargs):
-    runner, port = await start_server(engine, "127.0.0.1", 0, **kwargs)
+    runner, port = await start_server(engine, "127.0.0.1", 0, ServerConfig(**kwargs))
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -8,12 +8,14 @@ SERVER_NAMES = {  # exposed name → type, as the hand-written renderer had them
     "pdserve:prompt_tokens_total": "counter", "pdserve:generation_tokens_total": "counter",
     "pdserve:request_success_total": "counter", "pdserve:request_failure_total": "counter",
     "pdserve:request_abort_total": "counter", "pdserve:time_to_first_token_seconds": "histogram",
+    "pdserve:request_rejected_total": "counter",
     "pdserve:inter_token_latency_seconds": "histogram", "pdserve:e2e_request_latency_seconds": "histogram"}
 PROXY_NAMES = {
     "pdserve:proxy_requests_total": "counter", "pdserve:proxy_request_errors_total": "counter",
     "pdserve:proxy_client_disconnects_total": "counter", "pdserve:proxy_prefill_retries_total": "counter",
     "pdserve:proxy_requests_in_flight": "gauge", "pdserve:proxy_time_to_first_token_seconds": "histogram",
     "pdserve:proxy_prefill_seconds": "histogram", "pdserve:proxy_kv_releases_total": "counter",
+    "pdserve:proxy_requests_rejected_total": "counter",
     "pdserve:proxy_backend_requests_total": "counter", "pdserve:proxy_backend_errors_total": "counter"}
 
 
@@ -85,8 +87,8 @@ def test_proxy_metrics_names_and_backend_labels():
     m.num_requests.inc()
     m.num_in_flight.inc(); m.num_in_flight.inc(); m.num_in_flight.dec()
     m.prefill_seconds.observe(0.3)
-    m.backend_request("prefill", 0); m.backend_request("prefill", 0); m.backend_request("decode", 1)
-    m.backend_error("prefill", 0)
+    m.backend_request("prefill", "prefill-0"); m.backend_request("prefill", "prefill-0"); m.backend_request("decode", "decode-1")
+    m.backend_error("prefill", "prefill-0")
     text = m.render().decode()
     assert types(text) == PROXY_NAMES and "_created" not in text
     s = samples(text)
