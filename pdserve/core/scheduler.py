@@ -14,6 +14,8 @@ One step:
   3. update_from_output advances computed tokens, appends sampled tokens, finishes requests, and
      applies the connector's report (finished_sending frees P's held blocks; finished_recving
      promotes D's loaded requests; load errors follow kv_load_failure_policy)
+  4. a step that raises (engine/engine_core.py) instead ends in fail_requests: that step's requests,
+     and those of the step in flight, finish with FINISHED_ERROR through the normal finish path
 
 Async scheduling (the engine schedules step N+1 while the device runs step N): a request's tokens in
 a step whose outputs have not landed count as computed (num_inflight_tokens), and the token that step
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
@@ -101,6 +104,32 @@ class Scheduler:
         if request is None or request.is_finished:
             return None
         return self._finish(request, status, emit=False)
+
+    def fail_requests(self, request_ids: Iterable[str], error: str,
+                      unsent_finished_ids: Iterable[str] = ()) -> list[RequestUpdate]:
+        """A step failed and the engine gave up every step it had not landed (engine/engine_core.py);
+        the device is done with them. Finish with FINISHED_ERROR and `error` the given requests (those
+        steps' requests) and any other request with tokens in flight, so that nothing counts as in
+        flight any more; their blocks, and those of requests that waited for a step to land, are
+        freed now. unsent_finished_ids: finished ids of the failed step, which the runner may not have
+        seen (it drops their per-request state on the next step). Returns the updates still owed: the
+        finishes decided outside a step (aborts) and one per failed request."""
+        landed, self._free_after_landing = self._free_after_landing, {}
+        for request in landed.values():
+            self.kv.free(request)
+        self._finished_ids.update(unsent_finished_ids)
+        in_flight = [r.request_id for r in self.requests.values()
+                     if r.num_inflight_tokens or r.num_inflight_samples]
+        updates, self._updates = self._updates, []
+        for request_id in dict.fromkeys([*request_ids, *in_flight]):
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            request.num_inflight_tokens = request.num_inflight_samples = 0  # blocks free now
+            request.error = error
+            params = self._finish(request, RequestStatus.FINISHED_ERROR, emit=False)
+            updates.append(RequestUpdate(request, [], params))
+        return updates
 
     @property
     def num_running(self) -> int:

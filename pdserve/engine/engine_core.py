@@ -8,6 +8,15 @@ then applies step N: the scheduling, output processing and input building of one
 host while the device computes the previous one, instead of leaving the device idle between steps.
 Outputs then trail the launches by one step; core/scheduler.py says how the scheduler accounts for
 the step in flight.
+
+A step that raises (the model, the sampler, the connector's worker half, the scheduler's update)
+never escapes step(): the requests of that step, and with async scheduling of the step in flight,
+finish with FinishReason.ERROR and "engine step failed: <exception type>" (the traceback goes to the
+log), their blocks are freed through the scheduler's finish path (Scheduler.fail_requests), their
+detokenizers are dropped and nothing stays in flight; the model runner drops their generators on the
+next step, as for any finished request. Requests not in those steps carry on. A fault that outlives
+the requests it met (MAX_CONSECUTIVE_FAILED_STEPS failed steps with no step that computed something
+in between: a lost device, say) sets `broken`, which the engine process reports up and exits on.
 """
 from __future__ import annotations
 
@@ -25,12 +34,17 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pdserve.kv_transfer.base import KVTransferParams
 from pdserve.kv_transfer.factory import create_connector
 from pdserve.model.loader import load_tokenizer, resolve_model_path
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import FinishReason, RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.cpu_threads import choose_num_threads
 from pdserve.worker.model_runner import ModelRunner, resolve_device_and_dtype
 
 logger = logging.getLogger(__name__)
+
+# A request that breaks its step leaves with that step, so a fault that fails this many steps in a row,
+# with no step that computed something in between, is not one request's: the engine is broken. Each
+# failed step takes its requests with it, so until then the fault costs requests, never the instance.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 def _slow_step_seconds() -> float | None:
@@ -92,6 +106,8 @@ class EngineCore:
         self.last_step_was_empty = True  # the engine process polls transfers instead of spinning
         self.eos_token_ids = info.eos_token_ids
         self.slow_step_s = _slow_step_seconds()
+        self.num_consecutive_failed_steps = 0  # reset by every landed step that computed something
+        self.broken: str | None = None  # why the engine cannot serve (a fault that outlived its requests)
 
     @staticmethod
     def resolve_async_scheduling(asked: bool | None, device_type: str) -> bool:
@@ -101,15 +117,23 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_transfer_params: dict | None = None) -> None:
+        """ValueError naming the field for what the engine cannot run; nothing of the request stays."""
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(prompt_token_ids)} tokens, the model's length is "
                              f"{self.max_model_len}")
+        vocab_size = self.runner.info.vocab_size
+        if prompt_token_ids and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab_size:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab_size}), got "
+                             f"{min(prompt_token_ids)}..{max(prompt_token_ids)}")
+        # Again here, not only at construction: params changed since (or built without it, and sent
+        # from another process) must fail this request, not the step that samples for it.
+        params.validate()
         KVTransferParams.from_dict(kv_transfer_params)  # malformed params: ValueError here, not in the loop
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                           self.max_model_len, kv_transfer_params)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._decode)
         self.scheduler.add_request(request)
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params,
-                                                                 self._decode)
+        self.detokenizers[request_id] = detokenizer
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -130,21 +154,28 @@ class EngineCore:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step's outputs. Never raises for a failure inside the step: see _fail_step."""
         start = time.perf_counter()
-        out = self.scheduler.schedule()
-        if not self.async_scheduling and self._inflight is None:
-            return self._land(out, self.runner.execute_model(out), start)
-        handle = self.runner.launch(out)
-        landing, self._inflight = self._inflight, None
-        outputs = []
-        if landing is not None:
-            outputs = self._land(landing[0], self.runner.collect(landing[1]), landing[2])
-        if out.is_empty or not self.async_scheduling:
-            outputs += self._land(out, self.runner.collect(handle), start)  # nothing to overlap with
-        else:
-            self._inflight = (out, handle, start)
-        self.last_step_was_empty = out.is_empty and self._inflight is None
-        return outputs
+        out = landing = outputs = None
+        try:
+            out = self.scheduler.schedule()
+            if not self.async_scheduling and self._inflight is None:
+                return self._land(out, self.runner.execute_model(out), start)
+            handle = self.runner.launch(out)
+            landing, self._inflight = self._inflight, None
+            outputs = []
+            if landing is not None:
+                outputs = self._land(landing[0], self.runner.collect(landing[1]), landing[2])
+                landing = None
+            if out.is_empty or not self.async_scheduling:
+                outputs += self._land(out, self.runner.collect(handle), start)  # nothing to overlap with
+            else:
+                self._inflight = (out, handle, start)
+            self.last_step_was_empty = out.is_empty and self._inflight is None
+            return outputs
+        except Exception as error:
+            # Outputs of a step that landed before the failure still go out, before the failures.
+            return (outputs or []) + self._fail_step(error, out, landing)
 
     def _land(self, out, runner_output, start: float) -> list[RequestOutput]:
         """Apply a step whose sampled tokens are on the host."""
@@ -152,7 +183,52 @@ class EngineCore:
         if self.slow_step_s is not None and time.perf_counter() - start > self.slow_step_s:
             self._log_slow_step(out, time.perf_counter() - start)
         self.last_step_was_empty = out.is_empty
+        if not out.is_empty:
+            self.num_consecutive_failed_steps = 0
         return [self._make_output(u) for u in updates]
+
+    def _fail_step(self, error: Exception, out, landing) -> list[RequestOutput]:
+        """The step raised: finish the requests of every step not landed (this one, the one it was
+        landing, the one in flight) with an error, free their blocks and keep serving the rest.
+        out: this step's SchedulerOutput (None when scheduling raised); landing: the step in flight
+        that it was landing, unless that one landed."""
+        self.num_consecutive_failed_steps += 1
+        message = f"engine step failed: {type(error).__name__}"
+        logger.error("%s (%d in a row); failing the requests of the steps not landed", message,
+                     self.num_consecutive_failed_steps, exc_info=error)
+        steps = [s for s in (out, landing and landing[0], self._inflight and self._inflight[0])
+                 if s is not None]
+        self._inflight = None
+        self.last_step_was_empty = False
+        if self.runner.device.type == "cuda":
+            try:  # the given-up steps' kernels must be done before their blocks go to other requests
+                torch.cuda.synchronize(self.runner.device)
+            except Exception:
+                logger.exception("device synchronize after a failed step failed too")
+        failed = [item.request_id for s in steps for item in s.scheduled]
+        unsent = out.finished_request_ids if out is not None else set()
+        try:
+            updates = self.scheduler.fail_requests(failed, message, unsent)
+        except Exception:  # the scheduler's own state is broken: nothing here can be trusted
+            logger.exception("failing the requests of a failed step failed")
+            self.broken = f"the scheduler failed while failing a step's requests ({type(error).__name__})"
+            updates = []
+        outputs = []
+        for update in updates:
+            try:
+                outputs.append(self._make_output(update))
+            except Exception:
+                logger.exception("output of request %s after a failed step", update.request.request_id)
+        # A request owed its final output but no longer known to the scheduler (its finish was lost
+        # with the step) gets it now, so that no caller waits for it forever.
+        for request_id in [r for r in self.detokenizers if r not in self.scheduler.requests]:
+            del self.detokenizers[request_id]
+            outputs.append(RequestOutput(request_id, [], "", 0, 0, FinishReason.ERROR, error=message))
+        if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS and self.broken is None:
+            self.broken = (f"{self.num_consecutive_failed_steps} engine steps failed in a row "
+                           f"(last: {type(error).__name__}: {error})")
+            logger.error("engine broken: %s", self.broken)
+        return outputs
 
     def _log_slow_step(self, out, seconds: float) -> None:
         """Which batch was slow: a stall (a compile, a transfer wait) shows as a small batch taking long."""

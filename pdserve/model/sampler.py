@@ -25,9 +25,10 @@ Values = torch.Tensor | Sequence[float]
 
 def sample(logits: torch.Tensor, temperatures: Values, top_ps: Values, top_ks: Values,
            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """logits: [N, V] float32. temperature 0 means greedy (an exact argmax of the logits); top_k 0
-    (or >= V) means no top-k cut; top_p 1.0 means no top-p cut. generators: one per row, None or a
-    torch.Generator on the logits' device. Returns the sampled token ids, [N] int64 on the device."""
+    """logits: [N, V] float32. temperature 0 means greedy (an exact argmax of the logits); top_k <= 0
+    (or >= V, however large) means no top-k cut; top_p 1.0 means no top-p cut. generators: one per
+    row, None or a torch.Generator on the logits' device. Returns the sampled token ids, [N] int64 on
+    the device."""
     # A host list shows how many rows are greedy (temperature 0: the argmax) without a device sync.
     num_greedy = sum(t == 0 for t in temperatures) if _is_host(temperatures) else None
     if num_greedy == len(temperatures):
@@ -39,8 +40,12 @@ def sample(logits: torch.Tensor, temperatures: Values, top_ps: Values, top_ks: V
     is_greedy = temperatures == 0
     logits = logits / torch.where(is_greedy, 1.0, temperatures)[:, None]  # [N, V]
     needs_cut = not (_is_host(top_ks) and _is_host(top_ps)
-                     and all(k == 0 or k >= vocab_size for k in top_ks) and all(p >= 1.0 for p in top_ps))
+                     and all(k <= 0 or k >= vocab_size for k in top_ks) and all(p >= 1.0 for p in top_ps))
     if needs_cut:
+        if _is_host(top_ks):
+            # Past the vocabulary a top_k cuts nothing: clamp before it becomes an int64, so that no
+            # value (SamplingParams bounds it, but a caller may skip that) can overflow the tensor.
+            top_ks = [min(max(k, 0), vocab_size) for k in top_ks]
         logits = apply_top_k_top_p(logits, _as_tensor(top_ks, torch.int64, device),
                                    _as_tensor(top_ps, torch.float32, device))
     probs = logits.softmax(dim=-1)  # [N, V]
