@@ -208,7 +208,7 @@ async def _serve(config: EngineConfig, host: str, port: int, server_config: Serv
 
 
 async def _watch_engine(engine) -> None:
-    while engine.is_healthy():
+    while engine.is_running():
         await asyncio.sleep(1.0)
 
 

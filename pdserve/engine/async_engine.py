@@ -14,13 +14,14 @@ Engine process loop:
      and frees their blocks; the engine serves on (EngineCore.step, engine/engine_core.py).
   3. send the step's outputs, and a stats snapshot at least every 100 ms between steps (and when
      going idle)
-  4. when the engine is broken (MAX_CONSECUTIVE_FAILED_STEPS steps failed in a row, or the loop
-     itself raised), send ("broken", reason) and exit with code 1: a fault that outlives the requests
-     it met needs a fresh process, and a supervisor restarts `pdserve serve` when it exits.
+  4. when steps keep failing (MAX_CONSECUTIVE_FAILED_STEPS in a row, none computing in between), send
+     ("degraded", reason) and serve on; ("degraded", None) once a step computes again. Only a broken
+     engine (its scheduler failed while failing a step, or the loop itself raised) sends ("broken",
+     reason) and exits with code 1, for a supervisor to restart `pdserve serve`.
 
 The front hears from the engine process at least every 100 ms while it is between steps; health()
-is false, with the reason, when the process is dead, reported itself broken, or has been silent for
-longer than stall_timeout_s (default 60 s: one CPU step of a long prefill can take seconds).
+is false, with the reason, when the process is dead, reported itself broken or degraded, or has been
+silent for longer than stall_timeout_s (default 60 s: one CPU step of a long prefill can take seconds).
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def _engine_loop(core, in_conn, out_conn) -> str | None:
     """Serve until told to shut down (returns None) or until the engine is broken (returns why)."""
     last_stats = 0.0
     was_busy = False
+    degraded = None   # as last reported to the front
     while True:
         busy = core.has_work()
         timeout = 0.0 if busy else IDLE_WAIT_S
@@ -106,6 +108,9 @@ def _engine_loop(core, in_conn, out_conn) -> str | None:
                 in_conn.poll(TRANSFER_POLL_S)
             if core.broken is not None:
                 return core.broken
+            if core.degraded != degraded:
+                degraded = core.degraded
+                out_conn.send(("degraded", degraded))
         now = time.monotonic()
         busy = core.has_work()
         if now - last_stats >= STATS_INTERVAL_S or (was_busy and not busy):
@@ -163,6 +168,7 @@ class AsyncEngine:
         self._outbox: queue.Queue = queue.Queue()
         self._dead: str | None = None
         self._broken: str | None = None        # the engine process reported itself broken: why
+        self._degraded: str | None = None      # steps keep failing (it serves on): why
         self._last_heard: float | None = None  # time.monotonic() of the last message from it
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -234,6 +240,8 @@ class AsyncEngine:
         elif kind == "broken":
             self._broken = f"engine broken: {payload}"
             logger.error(self._broken)
+        elif kind == "degraded":
+            self._degraded = None if payload is None else f"engine degraded: {payload}"
 
     def _engine_died(self) -> None:
         if self._stopping:
@@ -292,6 +300,8 @@ class AsyncEngine:
             return False, "engine not started"
         if self._broken is not None:
             return False, self._broken
+        if self._degraded is not None:
+            return False, self._degraded
         if not self.process.is_alive():
             return False, f"engine process exited (code {self.process.exitcode})"
         if self._dead is not None:
@@ -304,6 +314,11 @@ class AsyncEngine:
 
     def is_healthy(self) -> bool:
         return self.health()[0]
+
+    def is_running(self) -> bool:
+        """The engine process is alive: `pdserve serve` lives as long as it does. A degraded or
+        stalled engine is unhealthy (/health says why) but may recover, so it is not a reason to exit."""
+        return self.process is not None and self.process.is_alive()
 
     async def shutdown(self) -> None:
         if self.process is None:

@@ -16,7 +16,10 @@ log), their blocks are freed through the scheduler's finish path (Scheduler.fail
 detokenizers are dropped and nothing stays in flight; the model runner drops their generators on the
 next step, as for any finished request. Requests not in those steps carry on. A fault that outlives
 the requests it met (MAX_CONSECUTIVE_FAILED_STEPS failed steps with no step that computed something
-in between: a lost device, say) sets `broken`, which the engine process reports up and exits on.
+in between: a lost device, say) sets `degraded`, which the engine process reports up (/health turns
+503 with the reason) while it keeps serving: no sequence of requests ends the instance, and the next
+step that computes clears it. Only `broken` (the scheduler's own state is no longer trustworthy) ends
+the engine process.
 """
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ from pdserve.worker.model_runner import ModelRunner, resolve_device_and_dtype
 logger = logging.getLogger(__name__)
 
 # A request that breaks its step leaves with that step, so a fault that fails this many steps in a row,
-# with no step that computed something in between, is not one request's: the engine is broken. Each
-# failed step takes its requests with it, so until then the fault costs requests, never the instance.
+# with no step that computed something in between, is likely not one request's: the engine is degraded
+# (unhealthy) until a step computes again. Each failed step takes its requests with it, so the fault
+# costs requests, never the instance: a few bad requests in a row must not take it down.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
@@ -107,7 +111,8 @@ class EngineCore:
         self.eos_token_ids = info.eos_token_ids
         self.slow_step_s = _slow_step_seconds()
         self.num_consecutive_failed_steps = 0  # reset by every landed step that computed something
-        self.broken: str | None = None  # why the engine cannot serve (a fault that outlived its requests)
+        self.degraded: str | None = None  # why steps keep failing (a fault that outlived its requests)
+        self.broken: str | None = None    # why the engine cannot go on (its scheduler state is broken)
 
     @staticmethod
     def resolve_async_scheduling(asked: bool | None, device_type: str) -> bool:
@@ -185,6 +190,7 @@ class EngineCore:
         self.last_step_was_empty = out.is_empty
         if not out.is_empty:
             self.num_consecutive_failed_steps = 0
+            self.degraded = None
         return [self._make_output(u) for u in updates]
 
     def _fail_step(self, error: Exception, out, landing) -> list[RequestOutput]:
@@ -224,10 +230,10 @@ class EngineCore:
         for request_id in [r for r in self.detokenizers if r not in self.scheduler.requests]:
             del self.detokenizers[request_id]
             outputs.append(RequestOutput(request_id, [], "", 0, 0, FinishReason.ERROR, error=message))
-        if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS and self.broken is None:
-            self.broken = (f"{self.num_consecutive_failed_steps} engine steps failed in a row "
-                           f"(last: {type(error).__name__}: {error})")
-            logger.error("engine broken: %s", self.broken)
+        if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            # /health shows this to anyone: the count, not the exception (the log above has it).
+            self.degraded = f"{self.num_consecutive_failed_steps} engine steps failed in a row"
+            logger.error("engine degraded: %s (last: %s: %s)", self.degraded, type(error).__name__, error)
         return outputs
 
     def _log_slow_step(self, out, seconds: float) -> None:
