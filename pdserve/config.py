@@ -94,6 +94,10 @@ class KVTransferConfig:
             raise ValueError(f"lease_seconds: must be > 0, got {self.lease_seconds}")
         if self.heartbeat_seconds <= 0:
             raise ValueError(f"heartbeat_seconds: must be > 0, got {self.heartbeat_seconds}")
+        if self.lease_seconds <= self.heartbeat_seconds:
+            raise ValueError(f"lease_seconds ({self.lease_seconds}) must be greater than heartbeat_seconds "
+                             f"({self.heartbeat_seconds}): D extends P's lease once per heartbeat, so a lease "
+                             "no longer than that runs out while D waits")
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port: must be in [0, 65535], got {self.side_channel_port}")
 

@@ -53,6 +53,7 @@ class KVTransferParams:
     remote_block_ids: list[int] = field(default_factory=list)
     remote_host: str | None = None
     remote_port: int | None = None
+    remote_boot_id: str | None = None     # P's per-boot nonce: a claim naming another boot is refused
     tp_size: int = 1
     transfer_id: str | None = None
     num_remote_tokens: int | None = None  # prompt tokens whose KV P computed
@@ -74,6 +75,8 @@ class KVTransferParams:
                        if getattr(params, f) is None]
             if missing:
                 raise ValueError(f"kv_transfer_params: do_remote_prefill needs {', '.join(missing)}")
+            if not 0 <= params.remote_port < 65536:
+                raise ValueError(f"kv_transfer_params: remote_port must be in [0, 65535], got {params.remote_port}")
             if not isinstance(params.remote_block_ids, list) or not all(
                     isinstance(b, int) and b >= 0 for b in params.remote_block_ids):
                 raise ValueError("kv_transfer_params: remote_block_ids must be a list of block ids")
@@ -88,7 +91,7 @@ class KVTransferParams:
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "do_remote_decode": (bool,), "do_remote_prefill": (bool,), "remote_engine_id": (str,),
     "remote_request_id": (str,), "remote_block_ids": (list,), "remote_host": (str,), "remote_port": (int,),
-    "tp_size": (int,), "transfer_id": (str,), "num_remote_tokens": (int,),
+    "remote_boot_id": (str,), "tp_size": (int,), "transfer_id": (str,), "num_remote_tokens": (int,),
 }
 
 

@@ -2,8 +2,8 @@
 
 For P and D on GPUs of one host (NVLink, or one GPU shared by two processes), where NIXL/UCX may
 fall back to TCP. The scheduler half is PullConnectorScheduler (pull.py); leases, handshakes,
-heartbeats, cancels and failures are PullConnectorWorker's (pull_worker_common.py). This module
-fills its transport hooks:
+claims, heartbeats, deadlines, cancels and failures are lifecycle.py's, reached through
+PullConnectorWorker (pull_worker_common.py). This module fills its transport hooks:
 
   register: P (a producer) exports its KV cache's memory once: a CUDA IPC handle
             (untyped_storage()._share_cuda_(), as torch.multiprocessing does) plus the GPU's UUID;
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from pdserve.config import KVTransferConfig
-from pdserve.kv_transfer.pull_worker_common import PullConnectorWorker, _Recv, _RemoteEngine
+from pdserve.kv_transfer.pull_worker_common import Load, Peer, PullConnectorWorker, RemoteEngine
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class CudaIpcConnectorWorker(PullConnectorWorker):
         _LOCAL_KV_CACHES[self.engine_id] = kv_cache
         return {"ipc": ipc, "pid": os.getpid(), "notify_name": self._notify_name}, b""
 
-    def _connect(self, remote: _RemoteEngine) -> None:
+    def _connect(self, remote: RemoteEngine) -> None:
         if remote.reply.get("pid") == os.getpid():
             kv_cache = _LOCAL_KV_CACHES.get(remote.engine_id)
             if kv_cache is None:
@@ -188,7 +188,7 @@ class CudaIpcConnectorWorker(PullConnectorWorker):
                                    f"{type(e).__name__}: {e}") from None
         remote.conn = flat.view(remote.region.num_blocks, remote.region.block_bytes)  # [blocks, block_bytes]
 
-    def _post(self, recv: _Recv, remote: _RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
+    def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
         src, dst = remote.conn, self._local_bytes
         if not (src.is_cuda or dst.is_cuda):  # DRAM → DRAM: a plain synchronous copy
             for local_id, remote_id, num_blocks in runs:
@@ -241,6 +241,16 @@ class CudaIpcConnectorWorker(PullConnectorWorker):
             logger.warning("KV copy failed: %s", e)
             return "ERR"
 
+    def _release(self, handle: Any) -> None:
+        """A queued CUDA copy cannot be aborted: refuse to let go of one still running (the lifecycle
+        keeps its blocks quarantined until it ends)."""
+        try:
+            is_done = handle is None or handle.query()
+        except RuntimeError:  # the copy failed: nothing runs any more
+            return
+        if not is_done:
+            raise RuntimeError("a CUDA copy in flight cannot be aborted")
+
     def _take_notifs(self) -> list[str]:
         request_ids: list[str] = []
         if not self.config.is_producer:  # only a P is told "done": no syscall per step on a D
@@ -253,23 +263,22 @@ class CudaIpcConnectorWorker(PullConnectorWorker):
             except ValueError as e:
                 logger.warning("cuda_ipc: bad done notice dropped: %s", e)
 
-    def _send_done(self, engine_id: str, host: str, port: int, request_ids: list[str]) -> None:
-        remote = self._remotes.get(engine_id)
-        name = remote.reply.get("notify_name") if remote is not None else None
+    def _send_done(self, peer: Peer, request_ids: list[str]) -> None:
+        name = peer.remote.reply.get("notify_name") if peer.remote is not None else None
         if name is not None:
             try:
                 for i in range(0, len(request_ids), 256):  # well under a datagram's size limit
                     self._notify_sock.sendto(json.dumps(request_ids[i:i + 256]).encode(), "\0" + name)
                 return
             except OSError as e:  # P gone, another namespace, or its queue full (EAGAIN)
-                logger.debug("cuda_ipc: done datagram to %s failed (%s); using the side channel", engine_id, e)
-        super()._send_done(engine_id, host, port, request_ids)
+                logger.debug("cuda_ipc: done datagram to %s failed (%s); using the side channel", peer.engine_id, e)
+        super()._send_done(peer, request_ids)
 
     def shutdown(self) -> None:
         super().shutdown()
         self._notify_sock.close()
 
-    def _disconnect(self, remote: _RemoteEngine) -> None:
+    def _disconnect(self, remote: RemoteEngine) -> None:
         remote.conn = None  # the last reference: torch closes the IPC mapping
 
     def _deregister(self) -> None:

@@ -31,6 +31,6 @@ def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str
         host, port = config.side_channel_host, worker.side_channel_port
     else:
         raise ValueError(f"kv_connector: expected one of {CONNECTORS}, got {config.kv_connector!r}")
-    scheduler = PullConnectorScheduler(engine_id, host, port, block_size,
-                                       is_producer=config.is_producer, is_consumer=config.is_consumer)
+    scheduler = PullConnectorScheduler(engine_id, host, port, block_size, is_producer=config.is_producer,
+                                       is_consumer=config.is_consumer, boot_id=getattr(worker, "boot_id", None))
     return scheduler, worker

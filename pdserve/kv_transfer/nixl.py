@@ -1,28 +1,31 @@
 """The worker half of the pull handoff over NIXL: D READs P's KV blocks, P holds them under a lease.
 
 The scheduler half is PullConnectorScheduler (pull.py); the lifecycle both roles follow (leases,
-handshakes, heartbeats, cancels, failures) is PullConnectorWorker's (pull_worker_common.py). This
-module fills its transport hooks with NIXL calls:
+handshakes, claims, heartbeats, deadlines, cancels, failures) is lifecycle.py's, reached through
+PullConnectorWorker (pull_worker_common.py). This module fills its transport hooks with NIXL calls:
 
   register: the KV cache is registered with the agent; the handshake carries the agent's metadata
   connect:  D adds P's agent (engine thread: the agent runs without locks)
   post:     one READ per request, one descriptor per coalesced run, notif_msg = P's request id, so
             P learns the READ is done from its own agent (get_new_notifs), not from the side channel
-  check:    check_xfer_state, polled from get_finished; never blocks
+  check:    check_xfer_state, polled from get_finished; never blocks; the binding raising (a peer
+            gone mid-READ) is that READ's "ERR", never an exception out of the engine loop
+  release:  release_xfer_handle; for an active READ (past its deadline) NIXL tries to abort it and
+            raises when it cannot: the lifecycle then keeps its blocks quarantined
 
 P MUST call get_finished regularly while it holds blocks: without the progress thread, a READ only
 completes when P's agent is progressed.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import torch
 
 from pdserve.config import KVTransferConfig
-from pdserve.kv_transfer.pull_worker_common import (
-    PullConnectorWorker, _Recv, _Region, _RemoteEngine)
+from pdserve.kv_transfer.pull_worker_common import Load, PullConnectorWorker, Region, RemoteEngine
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -32,9 +35,11 @@ except ImportError:
     except ImportError:
         nixl_agent = nixl_agent_config = None
 
+logger = logging.getLogger(__name__)
 
 
-def _run_descs(region: _Region, first_block_ids: list[int], num_blocks: list[int]) -> np.ndarray:
+
+def _run_descs(region: Region, first_block_ids: list[int], num_blocks: list[int]) -> np.ndarray:
     """[num_runs, 3] descriptor rows (address, length, device id) for runs of blocks in region."""
     rows = np.empty((len(first_block_ids), 3), dtype=np.uint64)
     block_bytes = np.uint64(region.block_bytes)
@@ -59,17 +64,17 @@ class NixlConnectorWorker(PullConnectorWorker):
         self._reg_descs = self.agent.register_memory(kv_cache)  # DRAM or VRAM from the tensor's device
         return {"agent_name": self.engine_id}, self.agent.get_agent_metadata()  # includes the registration
 
-    def _connect(self, remote: _RemoteEngine) -> None:
+    def _connect(self, remote: RemoteEngine) -> None:
         self.agent.add_remote_agent(remote.blob)
         remote.conn = remote.reply["agent_name"]
 
-    def _post(self, recv: _Recv, remote: _RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
+    def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
         local_ids, remote_ids, num_blocks = zip(*runs)
         local = self._region
         handle = self.agent.initialize_xfer(
             "READ", self.agent.get_xfer_descs(_run_descs(local, local_ids, num_blocks), local.mem_type),
             self.agent.get_xfer_descs(_run_descs(remote.region, remote_ids, num_blocks), remote.region.mem_type),
-            remote.conn, recv.spec.remote_request_id.encode())  # notif: P's request id
+            remote.conn, load.spec.remote_request_id.encode())  # notif: P's request id
         try:
             return handle, self.agent.transfer(handle)
         except Exception:
@@ -77,7 +82,11 @@ class NixlConnectorWorker(PullConnectorWorker):
             raise
 
     def _check(self, handle: Any) -> str:
-        return self.agent.check_xfer_state(handle)
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception as e:  # the binding raises for a failed transfer (e.g. P died mid-READ)
+            logger.warning("NIXL transfer status: %s: %s", type(e).__name__, e)
+            return "ERR"
 
     def _release(self, handle: Any) -> None:
         if handle is not None:
@@ -86,7 +95,7 @@ class NixlConnectorWorker(PullConnectorWorker):
     def _take_notifs(self) -> list[str]:
         return [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages]
 
-    def _disconnect(self, remote: _RemoteEngine) -> None:
+    def _disconnect(self, remote: RemoteEngine) -> None:
         self.agent.remove_remote_agent(remote.conn)
 
     def _deregister(self) -> None:

@@ -5,10 +5,13 @@ Lifecycle of one disaggregated request, as this half sees it:
   on P (producer), request has kv_transfer_params {"do_remote_decode": true}:
     1. it is scheduled like any request: prompt computed, one token sampled, max_tokens=1
     2. request_finished → delay_free=True, and params for D: do_remote_prefill, remote_engine_id,
-       remote_request_id, remote_block_ids, remote_host, remote_port, tp_size, num_remote_tokens
+       remote_request_id, remote_block_ids, remote_host, remote_port, remote_boot_id (the worker
+       half's per-boot nonce), tp_size, num_remote_tokens
     3. next build_connector_meta hands the worker half a SendSpec: hold these blocks under a lease
+       (lifecycle.LeaseHolder: one D may claim them, once)
     4. the worker half reports the request in finished_sending when D notifies that its READ is
-       done, or when the lease expires (D heartbeats extend it); the scheduler then frees the blocks
+       done, on a release, or when the lease expires (D's claim and heartbeats extend it); the
+       scheduler then frees the blocks
 
   on D (consumer), request has kv_transfer_params {"do_remote_prefill": true, ...}:
     0. request_added: while it queues (D busy, no free blocks) the worker half heartbeats P for it,
@@ -18,9 +21,10 @@ Lifecycle of one disaggregated request, as this half sees it:
     2. the scheduler allocates blocks for the whole prompt; update_state_after_alloc pairs each
        local block still to fill with P's block at the same index; the request parks in
        WAITING_FOR_REMOTE_KVS
-    3. next build_connector_meta hands the worker half a RecvSpec; the worker half handshakes with P
-       (once per remote engine), READs, notifies P, and reports the request in finished_recving
-       (blocks that failed come back through get_block_ids_with_load_errors)
+    3. next build_connector_meta hands the worker half a RecvSpec; the worker half (lifecycle.Loader)
+       handshakes with P (once per remote engine and boot), claims the grant, READs, notifies P, and
+       reports the request in finished_recving, each wait on P under a deadline (blocks that failed
+       come back through get_block_ids_with_load_errors)
     4. the scheduler moves the request back to WAITING with its prompt computed; it recomputes the
        last prompt token for logits ("back off one token") and decodes
     5. an abort while waiting goes into reqs_to_cancel; blocks stay allocated until
@@ -48,6 +52,7 @@ class RecvSpec:
     remote_request_id: str
     remote_host: str
     remote_port: int
+    remote_boot_id: str | None = None  # P's boot nonce from the params: a restarted P refuses them
 
 
 @dataclass(frozen=True)
@@ -58,18 +63,20 @@ class KeepAliveSpec:
     remote_request_id: str
     remote_host: str
     remote_port: int
+    remote_boot_id: str | None = None
 
 
 def track_keep_alives(kept_alive: dict[str, KeepAliveSpec], meta: "PullConnectorMeta") -> None:
-    """D's worker half, each step: the requests to keep alive after this meta. Releases go first
-    (one may end an earlier request under an id a keep-alive in the same meta reuses); a request
-    whose READ starts leaves (the READ's own heartbeats take over). Sending the releases is the
-    caller's: meta.reqs_to_release."""
+    """D's worker half, each step: the requests to keep alive after this meta. Keep-alives go first,
+    then releases, each of which ends only the keep-alive it names (spec equality: a release may end an
+    earlier request under an id a keep-alive in the same meta reuses, and a request added and released
+    within one step must leave nothing behind); a request whose READ starts leaves (the READ's own
+    heartbeats take over). Sending the releases is the caller's: meta.reqs_to_release."""
+    for keep in meta.reqs_to_keep_alive:
+        kept_alive[keep.request_id] = keep
     for keep in meta.reqs_to_release:
         if kept_alive.get(keep.request_id) == keep:
             del kept_alive[keep.request_id]
-    for keep in meta.reqs_to_keep_alive:
-        kept_alive[keep.request_id] = keep
     for spec in meta.reqs_to_recv:
         kept_alive.pop(spec.request_id, None)
 
@@ -94,8 +101,9 @@ class PullConnectorMeta(ConnectorMeta):
 
 class PullConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, host: str, port: int, block_size: int,
-                 is_producer: bool, is_consumer: bool) -> None:
+                 is_producer: bool, is_consumer: bool, boot_id: str | None = None) -> None:
         self.engine_id = engine_id
+        self.boot_id = boot_id  # the worker half's per-boot nonce, handed out with every grant
         self.host = host
         self.port = port
         self.block_size = block_size
@@ -135,7 +143,7 @@ class PullConnectorScheduler(KVConnectorScheduler):
         if params is None:
             return
         keep = KeepAliveSpec(request.request_id, params.remote_engine_id, params.remote_request_id,
-                             params.remote_host, int(params.remote_port))
+                             params.remote_host, int(params.remote_port), params.remote_boot_id)
         self._kept_alive[request.request_id] = keep
         self._reqs_to_keep_alive.append(keep)
 
@@ -160,6 +168,7 @@ class PullConnectorScheduler(KVConnectorScheduler):
             remote_request_id=params.remote_request_id,
             remote_host=params.remote_host,
             remote_port=int(params.remote_port),
+            remote_boot_id=params.remote_boot_id,
         ))
         self._kept_alive.pop(request.request_id, None)  # the load's own heartbeats take over
         # Consumed: a preempted request must recompute, not load twice.
@@ -191,6 +200,7 @@ class PullConnectorScheduler(KVConnectorScheduler):
             remote_block_ids=held,
             remote_host=self.host,
             remote_port=self.port,
+            remote_boot_id=self.boot_id,
             tp_size=1,
             transfer_id=params.get("transfer_id"),
             num_remote_tokens=request.num_prompt_tokens,

@@ -44,9 +44,14 @@ MAX_CLOCK_SKEW_S = 60.0
 Handler = Callable[[dict[str, Any], bytes], tuple[dict[str, Any], bytes]]
 
 
-def _recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
+def _recv_exact(sock: socket.socket, num_bytes: int, deadline: float | None = None) -> bytes:
     chunks, remaining = [], num_bytes
     while remaining:
+        if deadline is not None:  # one deadline for the whole reply, not one per recv
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("side channel: no complete reply before the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(min(remaining, 1 << 20))
         if not chunk:
             raise ConnectionError(f"side channel: peer closed after {num_bytes - remaining} of {num_bytes} bytes")
@@ -60,14 +65,14 @@ def send_message(sock: socket.socket, message: dict[str, Any], blob: bytes = b""
     sock.sendall(_HEADER.pack(len(body), len(blob)) + body + blob)
 
 
-def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
-    json_len, blob_len = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+def recv_message(sock: socket.socket, deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
+    json_len, blob_len = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if json_len > _MAX_JSON_BYTES or blob_len > _MAX_BLOB_BYTES:
         raise ConnectionError(f"side channel: oversized message ({json_len} + {blob_len} bytes)")
-    message = json.loads(_recv_exact(sock, json_len))
+    message = json.loads(_recv_exact(sock, json_len, deadline))
     if not isinstance(message, dict):
         raise ConnectionError("side channel: message is not a JSON object")
-    return message, _recv_exact(sock, blob_len)
+    return message, _recv_exact(sock, blob_len, deadline)
 
 
 def _mac(key: str, message: dict[str, Any], blob: bytes) -> str:
@@ -98,10 +103,12 @@ def verify(message: dict[str, Any], blob: bytes, key: str | None) -> str | None:
 def request(host: str, port: int, message: dict[str, Any], blob: bytes = b"",
             timeout: float = DEFAULT_TIMEOUT_S, key: str | None = None) -> tuple[dict[str, Any], bytes]:
     """Send one message (signed with `key` if given) and wait for the reply; blocking, so call it off
-    the engine thread."""
+    the engine thread. `timeout` bounds the whole exchange (connect, send, reply), not each call."""
+    deadline = time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
         send_message(sock, sign({"version": PROTOCOL_VERSION, **message}, blob, key), blob)
-        return recv_message(sock)
+        return recv_message(sock, deadline)
 
 
 class _Server(socketserver.ThreadingTCPServer):

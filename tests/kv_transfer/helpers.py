@@ -7,7 +7,7 @@ import uuid
 import torch
 
 from pdserve.config import KVTransferConfig
-from pdserve.kv_transfer.pull import RecvSpec
+from pdserve.kv_transfer.pull import KeepAliveSpec, RecvSpec
 
 NUM_BLOCKS = 32
 KV_SHAPE = (NUM_BLOCKS, 2, 2, 4, 2, 8)  # [blocks, layers, k/v, slots, heads, dim]: 1 KiB blocks (fp32)
@@ -48,7 +48,12 @@ def worker_factory(connector: str):
 
 def recv_spec(request_id, p, local_block_ids, remote_block_ids, p_request_id="p-req", port=None):
     return RecvSpec(request_id, local_block_ids, remote_block_ids, p.engine_id, p_request_id,
-                    "127.0.0.1", port or p.side_channel_port)
+                    "127.0.0.1", port or p.side_channel_port, getattr(p, "boot_id", None))
+
+
+def keep_alive_spec(request_id, p, p_request_id="p-req"):
+    return KeepAliveSpec(request_id, p.engine_id, p_request_id, "127.0.0.1", p.side_channel_port,
+                         getattr(p, "boot_id", None))
 
 
 def poll(workers, until, timeout=5.0):
@@ -67,6 +72,9 @@ def poll(workers, until, timeout=5.0):
 
 
 def assert_idle(*workers):
+    """The leak check: no request tracked, no block held, no load record left on either side."""
     for worker in workers:
         assert worker.num_pending_requests() == 0
         assert worker.get_stats()["num_blocks_held_for_transfer"] == 0
+        if hasattr(worker, "loader"):
+            assert not worker.loader.loads and not worker.holder._grants

@@ -65,9 +65,9 @@ def test_done_travels_as_a_datagram_not_through_side_channel_threads(make_worker
     p = make_worker("producer")
     d = make_worker("consumer")
     side_channel_messages = []
-    send_async = d._send_async
-    d._send_async = lambda host, port, message: (side_channel_messages.append(message["type"]),
-                                                 send_async(host, port, message))
+    send_done = d.loader.send_done
+    d.loader.send_done = lambda peer, request_ids: (side_channel_messages.append("done"),
+                                                    send_done(peer, request_ids))
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [4, 5])]))
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1, 2], [4, 5])]))
     poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
@@ -114,15 +114,17 @@ def test_other_copy_paths_are_byte_exact(make_worker, device, options):
 def test_cancel_unknown_and_posted_requests_report_once(make_worker):
     p = make_worker("producer")
     d = make_worker("consumer")
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-warm", [0]), SendSpec("p-req", [3, 4])]))
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("warm", p, [0], [0], "p-warm")]))
-    poll([p, d], lambda s, r: "warm" in r)  # handshake done: the next READ posts at once
+    poll([p, d], lambda s, r: "warm" in r)  # handshake done: the next load claims at once
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1, 2], [3, 4])]))
+    assert d.loader.loads["d-req"].state.value == "claiming"  # (a DRAM copy, once posted, is done at once)
     d.start_load_kv(PullConnectorMeta(reqs_to_cancel={"d-req", "never-seen"}))
-    _, recving = poll([p, d], lambda s, r: {"d-req", "never-seen"} <= set(r))
+    sending, recving = poll([p, d], lambda s, r: {"d-req", "never-seen"} <= set(r) and "p-req" in s)
     deadline = time.monotonic() + 0.2  # long enough for a duplicate report to show up
     _, later = poll([p, d], lambda s, r: time.monotonic() > deadline)
-    assert sorted(recving + later) == ["d-req", "never-seen"]
-    assert d.get_stats()["kv_transfer_bytes_total"] == 3 * BLOCK_BYTES  # the posted copy did finish
+    assert sorted(recving + later) == ["d-req", "never-seen"] and "p-req" in sending  # released
+    assert d.get_stats()["kv_transfer_bytes_total"] == BLOCK_BYTES  # only "warm" was read
     assert_idle(p, d)
 
 
@@ -152,8 +154,9 @@ def test_reading_from_a_consumer_fails_request_naming_it(make_worker, monkeypatc
 def test_out_of_range_block_fails_request(make_worker):
     p = make_worker("producer")
     d = make_worker("consumer")
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [5, NUM_BLOCKS])]))
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1, 2], [5, NUM_BLOCKS])]))
-    _, recving = poll([p, d], lambda s, r: "d-req" in r)
+    _, recving = poll([p, d], lambda s, r: "d-req" in r and "p-req" in s)
     assert d.get_block_ids_with_load_errors() == {1, 2}
     assert "remote block id out of range" in d.get_load_error("d-req")
     assert_idle(p, d)
@@ -168,7 +171,7 @@ def _producer_process(device: str, conn) -> None:
     p = CudaIpcConnectorWorker(config, "p-child", COMPAT)
     p.register_kv_caches(kv_cache)
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [10, 11, 12, 13])]))
-    conn.send(p.side_channel_port)
+    conn.send((p.side_channel_port, p.boot_id))
     deadline = time.monotonic() + 20
     sending: set[str] = set()
     while "p-req" not in sending and time.monotonic() < deadline:
@@ -187,10 +190,10 @@ def test_read_from_another_process(make_worker, device):
     proc.start()
     try:
         assert parent.poll(60), "producer did not start"
-        port = parent.recv()
+        port, boot_id = parent.recv()
         d_cache = torch.zeros(KV_SHAPE, device=device)
         d = make_worker("consumer", d_cache)
-        spec = RecvSpec("d-req", [0, 1, 5, 6], [10, 11, 12, 13], "p-child", "p-req", "127.0.0.1", port)
+        spec = RecvSpec("d-req", [0, 1, 5, 6], [10, 11, 12, 13], "p-child", "p-req", "127.0.0.1", port, boot_id)
         d.start_load_kv(PullConnectorMeta(reqs_to_recv=[spec]))
         poll([d], lambda s, r: "d-req" in r, timeout=20)
         assert d.get_load_error("d-req") is None

@@ -33,14 +33,16 @@ def test_heartbeats_extend_lease(make_worker):
     for _ in range(8):  # 0.8 s > lease, heartbeats every 0.1 s
         reply, _ = side_channel.request("127.0.0.1", p.side_channel_port, {
             "type": "heartbeat", "engine_id": "d", "remote_request_ids": ["p-req", "unknown"]})
-        assert reply == {"ok": True, "num_extended": 1, "expired": []}  # "unknown": not seen, not expired
+        assert reply == {"ok": True, "boot_id": p.boot_id, "num_extended": 1, "expired": [],
+                         "unknown": ["unknown"]}  # "unknown": not seen (maybe not arrived yet), not expired
         assert p.get_finished() == (set(), set())
         time.sleep(0.1)
     sending, _ = poll([p], lambda s, r: "p-req" in s)
     assert p.get_stats()["kv_lease_expirations_total"] == 1
     reply, _ = side_channel.request("127.0.0.1", p.side_channel_port, {
         "type": "heartbeat", "engine_id": "d", "remote_request_ids": ["p-req", "unknown"]})
-    assert reply == {"ok": True, "num_extended": 0, "expired": ["p-req"]}
+    assert reply == {"ok": True, "boot_id": p.boot_id, "num_extended": 0, "expired": ["p-req"],
+                     "unknown": ["unknown"]}
     assert_idle(p)
 
 
@@ -77,9 +79,9 @@ def test_cancel_before_handshake_completes(make_worker):
         poll([d], lambda s, r: fake_p.heartbeats)  # heartbeats cover requests awaiting a handshake
         assert fake_p.heartbeats[0] == ["p-req"]
         d.start_load_kv(PullConnectorMeta(reqs_to_cancel={"d-req"}))
-        _, recving = poll([d], lambda s, r: "d-req" in r and fake_p.releases)
-        fake_p.handshake_may_answer.set()
-        _, later = poll([d], lambda s, r: not d._handshakes)  # the late handshake fails nothing
+        _, recving = poll([d], lambda s, r: "d-req" in r)
+        fake_p.handshake_may_answer.set()  # the release follows the handshake on its P's lane
+        _, later = poll([d], lambda s, r: fake_p.releases and not d.loader.peers)  # the late handshake fails nothing
         assert recving + later == ["d-req"]
         assert fake_p.releases == ["p-req"]
         assert d.get_block_ids_with_load_errors() == set()
@@ -93,13 +95,16 @@ def test_cancel_before_handshake_completes(make_worker):
 def test_cancel_in_flight_reports_once_after_read(make_worker):
     p = make_worker("producer")
     d = make_worker("consumer")
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-warm", [0]), SendSpec("p-req", [3, 4])]))
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("warm", p, [0], [0], "p-warm")]))
-    poll([p, d], lambda s, r: "warm" in r)  # handshake done: the next READ posts at once
+    poll([p, d], lambda s, r: "warm" in r)  # handshake done: the next load claims at once
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1, 2], [3, 4])]))
+    poll([p, d], lambda s, r: d.loader.loads["d-req"].state.value != "claiming" or "d-req" in r)  # posted
     d.start_load_kv(PullConnectorMeta(reqs_to_cancel={"d-req"}))
     _, recving = poll([p, d], lambda s, r: "d-req" in r)
     _, later = poll([p, d], lambda s, r: True)
     assert recving + later == ["d-req"]
+    poll([p, d], lambda s, r: not p.num_pending_requests())  # the claimed grant ends with the READ
     assert d.get_stats()["kv_transfer_bytes_total"] == 3 * BLOCK_BYTES  # it did finish its READ
     assert_idle(p, d)
 

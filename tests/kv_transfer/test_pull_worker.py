@@ -12,7 +12,7 @@ from pdserve.kv_transfer.pull import KeepAliveSpec, PullConnectorMeta, SendSpec
 from pdserve.kv_transfer.pull_worker_common import coalesce
 
 from tests.kv_transfer.helpers import (BLOCK_BYTES, KV_SHAPE, NUM_BLOCKS, assert_idle, nixl_available, poll,
-                                       recv_spec, worker_factory)
+                                       recv_spec, keep_alive_spec, worker_factory)
 
 TRANSPORTS = ["cuda_ipc", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="needs NIXL"))]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
@@ -56,16 +56,19 @@ def test_read_scattered_blocks_is_byte_exact(make_worker, device):
     assert_idle(p, d)
 
 
-def test_read_finished_before_send_spec_arrives(make_worker):
-    """D may READ (and say done) before P's scheduler hands its worker the SendSpec."""
+def test_claim_before_send_spec_arrives_waits_for_it(make_worker):
+    """D may claim before P's scheduler hands its worker the SendSpec: P answers "unknown", and D
+    claims again (until its claim deadline) instead of failing or reading unclaimed blocks."""
     p = make_worker("producer")
     d = make_worker("consumer")
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1], [2])]))
-    poll([p, d], lambda s, r: "d-req" in r)
-    time.sleep(0.05)  # the done message travels
+    deadline = time.monotonic() + 0.1
+    poll([p, d], lambda s, r: time.monotonic() > deadline)
+    assert d.loader.loads["d-req"].state.value == "claiming"
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [2])]))
-    sending, _ = poll([p], lambda s, r: "p-req" in s)
-    assert sending == ["p-req"] and p.get_stats()["kv_lease_expirations_total"] == 0
+    sending, recving = poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    assert sending == ["p-req"] and recving == ["d-req"] and d.get_load_error("d-req") is None
+    assert p.get_stats()["kv_lease_expirations_total"] == 0
     assert_idle(p, d)
 
 
@@ -86,7 +89,7 @@ def test_request_queued_on_d_keeps_p_lease_alive_then_releases_it(make_worker):
     p = make_worker("producer", lease_seconds=0.4)
     d = make_worker("consumer", heartbeat_seconds=0.1)
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [1, 2])]))
-    keep = KeepAliveSpec("d-req", p.engine_id, "p-req", "127.0.0.1", p.side_channel_port)
+    keep = keep_alive_spec("d-req", p, "p-req")
     d.start_load_kv(PullConnectorMeta(reqs_to_keep_alive=[keep]))
     start = time.monotonic()
     while time.monotonic() - start < 1.2:  # three leases long
@@ -101,24 +104,19 @@ def test_request_queued_on_d_keeps_p_lease_alive_then_releases_it(make_worker):
 
 
 def test_load_fails_when_p_lease_ran_out_before_the_first_heartbeat(make_worker):
-    """P freed the blocks before D's first heartbeat reached it (a long hop to D): P's reply says so,
-    and D fails the load (the load-failure policy then applies) instead of reading freed blocks."""
+    """P freed the blocks before D's first heartbeat reached it (a long hop to D): D's claim is
+    answered "expired", and D fails the load (the load-failure policy then applies) without reading."""
     p = make_worker("producer", lease_seconds=0.2)
     d = make_worker("consumer", heartbeat_seconds=0.5)
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [1, 2])]))
-    keep = KeepAliveSpec("d-req", p.engine_id, "p-req", "127.0.0.1", p.side_channel_port)
-    d.start_load_kv(PullConnectorMeta(reqs_to_keep_alive=[keep]))
+    d.start_load_kv(PullConnectorMeta(reqs_to_keep_alive=[keep_alive_spec("d-req", p)]))
     poll([p], lambda s, r: "p-req" in s)                  # the lease runs out first
     assert p.get_stats()["kv_lease_expirations_total"] == 1
-    time.sleep(0.6)
-    d.get_finished()                                      # the heartbeat goes out; P answers "expired"
-    deadline = time.monotonic() + 3
-    while not d._is_lost(recv_spec("d-req", p, [5, 6], [1, 2])) and time.monotonic() < deadline:
-        time.sleep(0.01)
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [5, 6], [1, 2])]))
     _, recving = poll([p, d], lambda s, r: "d-req" in r)
     assert recving == ["d-req"] and d.get_block_ids_with_load_errors() == {5, 6}
-    assert "lease" in d.get_load_error("d-req")
+    assert d.get_load_error("d-req") == (f"KV load from remote engine {p.engine_id} failed: the prefill "
+                                         "instance's lease on this request's KV expired")
     assert d.get_stats()["kv_transfer_descriptors_total"] == 0  # nothing was read
     assert_idle(p, d)
 
@@ -127,8 +125,8 @@ def test_release_of_a_reused_request_id_frees_only_the_old_copy(make_worker):
     p = make_worker("producer", lease_seconds=30)
     d = make_worker("consumer")
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p1", [1]), SendSpec("p2", [2])]))
-    old = KeepAliveSpec("x", p.engine_id, "p1", "127.0.0.1", p.side_channel_port)
-    new = KeepAliveSpec("x", p.engine_id, "p2", "127.0.0.1", p.side_channel_port)
+    old = keep_alive_spec("x", p, "p1")
+    new = keep_alive_spec("x", p, "p2")
     d.start_load_kv(PullConnectorMeta(reqs_to_keep_alive=[old]))
     d.start_load_kv(PullConnectorMeta(reqs_to_keep_alive=[new], reqs_to_release=[old]))  # one step
     sending, _ = poll([p, d], lambda s, r: "p1" in s)

@@ -1,0 +1,798 @@
+"""The handoff lifecycle: P's LeaseHolder and D's Loader, one record per request, one state each.
+
+Every transport (nixl.py, cuda_ipc.py) and, later, every direction (pull now; push and store reuse the
+same records: a grant P holds for a reader, a load D waits on) runs its requests through these two
+objects. A request's fate is its record's state, never which containers hold its id; each side has
+one step() that advances states and frees what a terminal state releases; every state that waits
+on a peer has a deadline.
+
+On P (producer), per request (a Grant):
+  1. hold(request_id, block_ids): HELD, deadline = now + lease_seconds
+  2. a claim from a D (side channel: P's request id, the block ids it will read, P's boot nonce)
+     answers "held" and makes it CLAIMED (deadline extended) only when the boot nonce is this boot's,
+     the grant is live and not claimed by another load, and the block ids are among the granted
+     ones; otherwise "stale_boot", "mismatch", "claimed", or the fate of an ended grant ("read",
+     "released", "expired"; remembered for one lease period) or "unknown" (never held here, or its
+     SendSpec is still on the way: D asks again until its claim deadline)
+  3. heartbeats extend live grants; the reply names the ids that are expired or unknown here
+  4. terminal: READ (the transport's notification or a "done" message), RELEASED (a release from
+     D or from the router), EXPIRED (deadline passed: kv_lease_expirations_total); step() reports
+     terminal grants in finished_sending and forgets them. A done or release for an id not held
+     yet is kept (bounded, for one lease period) and applied when its grant arrives
+
+On D (consumer), per request (a Load):
+  0. QUEUED: a KeepAliveSpec (the request waits in D's scheduler): heartbeats extend P's lease; a
+     release (finished, aborted or covered by D's prefix cache first) sends P a release and forgets it
+  1. a RecvSpec: HANDSHAKING while the connection to P's (engine id, boot nonce) is made, once per
+     P boot, deadline = now + the side-channel deadline; a reply naming another boot fails it at once
+  2. CLAIMING: one claim per P per step for every load ready to claim, deadline as above
+  3. READING: after "held", the READ is posted (one descriptor per coalesced run), deadline = now +
+     read_timeout_seconds (default: lease_seconds); the lease is known good until the claim's (or
+     the last heartbeat's) send time + lease_seconds, and a READ that ends after that is invalid
+  4. DONE: finished_recving (+ bytes, descriptors, seconds) and, for transports without their own
+     notification, a "done" to P; FAILED: finished_recving + its blocks in the load errors + an
+     error naming the fate; CANCELLED (an abort before the READ): finished_recving, release to P
+  5. a READ past its deadline is aborted (the transport's release); when the transport cannot abort
+     it, the load is QUARANTINED: counted, P released, and reported (its blocks given back to D's
+     pool) only once the transport says it finished or let it go, never while it may still write
+Peers: D's connection to P is keyed by (engine id, boot nonce); a new boot of the same engine
+replaces the old one, and connections idle for PEER_IDLE_S or whose P failed are dropped.
+Threads: D's side-channel work runs on one thread per P address (a P that never answers holds up
+only its own requests, and messages to one P keep their order: a claim before its release), each
+exchange under one deadline (min(5 s, lease / 2)), at most one heartbeat in flight per P; replies
+come back to the engine thread as events. P's grants are touched by the side-channel server threads
+under the holder's lock.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+import numpy as np
+
+from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer import side_channel
+from pdserve.kv_transfer.pull import KeepAliveSpec, PullConnectorMeta, RecvSpec
+
+logger = logging.getLogger(__name__)
+
+MAX_SIDE_CHANNEL_S = 5.0    # one side-channel exchange, at most (and at most half a lease)
+CLAIM_RETRY_S = 0.005       # "unknown" (P's SendSpec may still be on the way): ask again after this
+PEER_IDLE_S = 60.0          # a connection to P unused this long is dropped
+MAX_ENDED = 1 << 16         # P: ended grants remembered for claims and heartbeats (one lease period)
+MAX_EARLY = 1 << 12         # P: done/release notices for ids not held (yet), from the network
+LOAD_ERROR_TTL_S = 60.0
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def side_channel_timeout(config: KVTransferConfig) -> float:
+    return min(MAX_SIDE_CHANNEL_S, config.lease_seconds / 2)
+
+
+def coalesce(local_block_ids: list[int], remote_block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """[(local_start, remote_start, num_blocks)]: one run per stretch consecutive on both sides.
+    It runs inside the handoff's time (D posts after it): vectorized past a few blocks."""
+    num_blocks = min(len(local_block_ids), len(remote_block_ids))
+    if num_blocks and all(ids[:num_blocks] == list(range(ids[0], ids[0] + num_blocks))
+                          for ids in (local_block_ids, remote_block_ids)):
+        return [(local_block_ids[0], remote_block_ids[0], num_blocks)]  # the common case: one run
+    if num_blocks > 16:
+        local = np.asarray(local_block_ids[:num_blocks], dtype=np.int64)
+        remote = np.asarray(remote_block_ids[:num_blocks], dtype=np.int64)
+        breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1  # a run starts after each
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [num_blocks])))
+        return list(zip(local[starts].tolist(), remote[starts].tolist(), lengths.tolist()))
+    runs: list[tuple[int, int, int]] = []
+    for local_id, remote_id in zip(local_block_ids, remote_block_ids):
+        if runs and local_id == runs[-1][0] + runs[-1][2] and remote_id == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((local_id, remote_id, 1))
+    return runs
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = TRANSFER_SECONDS_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * len(TRANSFER_SECONDS_BUCKETS))
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        for i in range(bisect.bisect_left(self.buckets, value), len(self.buckets)):
+            self.counts[i] += 1  # cumulative, as Prometheus wants
+        self.sum += value
+        self.count += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum, "count": self.count}
+
+
+# ---- P: the lease holder ---------------------------------------------------------------------------
+
+class GrantState(Enum):
+    HELD = "held"
+    CLAIMED = "claimed"
+    READ = "read"            # terminal from here on
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+_LIVE = (GrantState.HELD, GrantState.CLAIMED)
+
+
+@dataclass
+class Grant:
+    request_id: str
+    block_ids: list[int]
+    deadline: float
+    state: GrantState = GrantState.HELD
+    claimant: tuple[str, str] | None = None   # (D's engine id, D's request id)
+
+
+class LeaseHolder:
+    """P: the blocks held for remote readers. The side-channel threads answer claims, heartbeats and
+    releases under self._lock; step() (engine thread) expires and reports."""
+
+    def __init__(self, config: KVTransferConfig, boot_id: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lease_s = config.lease_seconds
+        self.boot_id = boot_id
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._grants: dict[str, Grant] = {}
+        self._ended: OrderedDict[str, tuple[GrantState, float]] = OrderedDict()  # fate, when (one lease)
+        self._early: OrderedDict[str, tuple[GrantState, float]] = OrderedDict()  # done/release before hold
+        self.num_expirations = 0
+
+    def hold(self, request_id: str, block_ids: list[int]) -> None:
+        with self._lock:
+            grant = Grant(request_id, list(block_ids), self.clock() + self.lease_s)
+            early = self._early.pop(request_id, None)
+            if early is not None:
+                grant.state = early[0]
+            self._grants[request_id] = grant
+
+    def end(self, request_ids: list[str], state: GrantState) -> None:
+        """A done (READ) or a release (RELEASED): free at the next step."""
+        now = self.clock()
+        with self._lock:
+            for request_id in request_ids:
+                grant = self._grants.get(request_id)
+                if grant is not None:
+                    if grant.state in _LIVE:
+                        grant.state = state
+                elif request_id not in self._ended:  # its SendSpec may still be on the way
+                    self._early[request_id] = (state, now)
+                    self._early.move_to_end(request_id)
+                    self._forget_old(self._early, now, MAX_EARLY)
+
+    def step(self, notified: list[str]) -> set[str]:
+        """finished_sending: grants that reached a terminal state."""
+        if notified:
+            self.end(notified, GrantState.READ)
+        if not self._grants and not self._ended and not self._early:
+            return set()
+        now, finished = self.clock(), set()
+        with self._lock:
+            for request_id, grant in self._grants.items():
+                if grant.state in _LIVE and grant.deadline < now:
+                    logger.warning("KV lease of %s expired: no READ or heartbeat for %.1fs; freeing %d blocks",
+                                   request_id, self.lease_s, len(grant.block_ids))
+                    self.num_expirations += 1
+                    grant.state = GrantState.EXPIRED
+                if grant.state not in _LIVE:
+                    finished.add(request_id)
+            for request_id in finished:
+                self._ended[request_id] = (self._grants.pop(request_id).state, now)
+                self._ended.move_to_end(request_id)
+            self._forget_old(self._ended, now, MAX_ENDED)
+            self._forget_old(self._early, now, MAX_EARLY)
+        return finished
+
+    def _forget_old(self, entries: OrderedDict, now: float, max_entries: int) -> None:
+        while entries and (len(entries) > max_entries or next(iter(entries.values()))[1] + self.lease_s < now):
+            entries.popitem(last=False)
+
+    # side-channel threads
+    def on_claim(self, message: dict[str, Any]) -> dict[str, Any]:
+        claims, d_engine_id = message.get("claims"), str(message.get("engine_id"))
+        if not isinstance(claims, list):
+            raise ValueError("claim: expected a list of claims")
+        results: dict[str, str] = {}
+        now = self.clock()
+        with self._lock:
+            for claim in claims:
+                request_id, block_ids = claim["request_id"], claim["block_ids"]
+                if not isinstance(request_id, str) or not isinstance(block_ids, list):
+                    raise ValueError("claim: request_id must be a string, block_ids a list")
+                results[request_id] = self._claim(request_id, block_ids, (d_engine_id, str(claim.get("claimant"))),
+                                                  message.get("boot_id"), now)
+        return {"ok": True, "boot_id": self.boot_id, "results": results}
+
+    def _claim(self, request_id: str, block_ids: list, claimant: tuple[str, str], boot_id: Any, now: float) -> str:
+        if boot_id != self.boot_id:
+            return "stale_boot"
+        grant = self._grants.get(request_id)
+        if grant is None:
+            ended = self._ended.get(request_id)
+            return ended[0].value if ended is not None else "unknown"
+        if grant.state not in _LIVE:
+            return grant.state.value
+        if grant.state == GrantState.CLAIMED and grant.claimant != claimant:
+            return "claimed"  # a grant is claimable once: a replay to a second D is refused
+        if not set(block_ids) <= set(grant.block_ids):
+            return "mismatch"
+        grant.state, grant.claimant = GrantState.CLAIMED, claimant
+        grant.deadline = max(grant.deadline, now + self.lease_s)
+        return "held"
+
+    def on_heartbeat(self, message: dict[str, Any]) -> dict[str, Any]:
+        request_ids = message.get("remote_request_ids") or []
+        if message.get("boot_id", self.boot_id) != self.boot_id:  # all of them are another boot's
+            return {"ok": True, "boot_id": self.boot_id, "num_extended": 0, "expired": [],
+                    "unknown": list(request_ids)}
+        deadline = self.clock() + self.lease_s
+        num_extended, expired, unknown = 0, [], []
+        with self._lock:
+            for request_id in request_ids:
+                grant = self._grants.get(request_id)
+                if grant is not None and grant.state in _LIVE:
+                    grant.deadline = max(grant.deadline, deadline)
+                    num_extended += 1
+                elif request_id in self._ended or grant is not None:
+                    fate = grant.state if grant is not None else self._ended[request_id][0]
+                    (expired if fate == GrantState.EXPIRED else unknown).append(request_id)
+                else:
+                    unknown.append(request_id)  # (or not arrived yet)
+        return {"ok": True, "boot_id": self.boot_id, "num_extended": num_extended, "expired": expired,
+                "unknown": unknown}
+
+    def on_end(self, message: dict[str, Any], state: GrantState) -> dict[str, Any]:
+        if message.get("boot_id", self.boot_id) == self.boot_id:  # another boot's: nothing of ours
+            self.end([r for r in message.get("remote_request_ids") or [] if isinstance(r, str)], state)
+        return {"ok": True}
+
+    def num_pending(self) -> int:
+        return len(self._grants)
+
+    def num_blocks_held(self) -> int:
+        with self._lock:
+            return sum(len(g.block_ids) for g in self._grants.values())
+
+
+# ---- D: the loader ---------------------------------------------------------------------------------
+
+class LoadState(Enum):
+    QUEUED = "queued"
+    HANDSHAKING = "handshaking"
+    CLAIMING = "claiming"
+    READING = "reading"
+    QUARANTINED = "quarantined"   # failed, but the transport may still write into its blocks
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class Load:
+    spec: RecvSpec | KeepAliveSpec
+    state: LoadState
+    deadline: float = float("inf")
+    handle: Any = None
+    claim_at: float = 0.0              # CLAIMING: when the next claim may go
+    is_claim_in_flight: bool = False
+    lease_until: float = 0.0           # P's lease known good until then (a confirmation's send time + lease)
+    is_cancelled: bool = False         # an abort while READING: reported when the READ ends
+    is_lost: bool = False              # QUEUED: P no longer holds it; stop heartbeating
+    posted_at: float = 0.0
+    num_bytes: int = 0
+    num_descriptors: int = 0
+
+    @property
+    def is_reported(self) -> bool:     # the scheduler waits for it in finished_recving
+        return isinstance(self.spec, RecvSpec)
+
+
+@dataclass(frozen=True)
+class Region:
+    """One engine's registered KV cache, as the handshake describes it."""
+    base_addr: int
+    num_blocks: int
+    block_bytes: int
+    mem_type: str   # DRAM | VRAM
+    device_id: int
+
+
+@dataclass
+class RemoteEngine:
+    engine_id: str
+    region: Region
+    reply: dict[str, Any]   # the handshake reply: transport fields beside the region
+    blob: bytes             # the handshake blob (NIXL: agent metadata)
+    conn: Any = None        # what the transport's _connect made of them
+
+
+@dataclass
+class Peer:
+    """D's connection to one boot of one P."""
+    engine_id: str
+    boot_id: str | None
+    address: tuple[str, int]
+    deadline: float                     # for the handshake
+    remote: RemoteEngine | None = None  # set once connected
+    is_failed: bool = False
+    last_used: float = 0.0
+
+
+class Client:
+    """Side-channel client for one P address: one thread for handshakes, claims, releases and done
+    notices (so one P that accepts and never answers holds up only its own requests, and messages to
+    one P keep their order), one for heartbeats (so a slow claim never delays a lease's extension)."""
+
+    def __init__(self, address: tuple[str, int], key: str | None, timeout: float, events: queue.SimpleQueue,
+                 clock: Callable[[], float]) -> None:
+        self.address, self._key, self._timeout, self._events, self._clock = address, key, timeout, events, clock
+        self._lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-kv-{lane}-{address[1]}")
+                       for lane in ("client", "heartbeat")]
+        self.num_pending = self.num_heartbeats_pending = 0  # engine thread only
+        self.last_used = clock()
+
+    def send(self, message: dict[str, Any], on_reply: Callable, on_error: Callable | None = None,
+             accept_refusal: bool = False) -> None:
+        """on_reply(reply, blob, sent_at) or on_error(cause) run later on the engine thread (Loader.step);
+        a reply with ok=false goes to on_reply only with accept_refusal."""
+        self.num_pending += 1
+        self.num_heartbeats_pending += message["type"] == "heartbeat"
+        self.last_used = self._clock()
+
+        def run() -> None:
+            sent_at = self._clock()
+            try:
+                reply, blob = side_channel.request(*self.address, message, timeout=self._timeout, key=self._key)
+                if not reply.get("ok") and not accept_refusal:
+                    raise RuntimeError(f"refused: {reply.get('error')}")
+                event = (self, message, on_reply, on_error, (reply, blob, sent_at))
+            except Exception as e:  # every error, not only OSError: none may vanish in a Future
+                logger.warning("%s to %s:%d failed: %s: %s", message["type"], *self.address, type(e).__name__, e)
+                event = (self, message, on_error, None, ("its side channel did not answer in time"
+                                                          if isinstance(e, TimeoutError) else "its side channel failed",))
+            self._events.put(event)
+        try:
+            self._lanes[message["type"] == "heartbeat"].submit(run)
+        except RuntimeError:  # shut down
+            pass
+
+    def close(self) -> None:
+        for lane in self._lanes:
+            lane.shutdown(wait=False, cancel_futures=True)
+
+
+class Loader:
+    """D: every request whose KV comes from a P, from its keep-alive to its report. Engine thread only;
+    the side-channel clients hand replies back through self._events."""
+
+    def __init__(self, transport: Any, config: KVTransferConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.t = transport  # hooks: _connect, _post, _check, _release, _disconnect, _send_done, _parse_handshake
+        self.config, self.clock = config, clock
+        self.timeout = side_channel_timeout(config)
+        self.read_timeout = float(config.extra.get("read_timeout_seconds", config.lease_seconds))
+        self.loads: dict[str, Load] = {}
+        self.peers: dict[tuple[str, str | None], Peer] = {}
+        self.clients: dict[tuple[str, int], Client] = {}
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._finished: set[str] = set()
+        self._error_blocks: set[int] = set()
+        self._load_errors: dict[str, tuple[str, float]] = {}
+        self._done_to_send: dict[tuple[str, str | None], list[str]] = {}
+        self._next_heartbeat = self._next_sweep = 0.0
+        self.num_bytes = self.num_descriptors = self.num_failures = self.num_quarantined = 0
+        self.transfer_seconds = Histogram()
+
+    # ---- the scheduler's meta (start_load_kv) ----
+    def apply(self, meta: PullConnectorMeta) -> None:
+        now = self.clock()
+        was_waiting = bool(self.loads)
+        for keep in meta.reqs_to_keep_alive:
+            if not (keep.request_id in self.loads and self.loads[keep.request_id].is_reported):
+                self.loads[keep.request_id] = Load(keep, LoadState.QUEUED)
+        for keep in meta.reqs_to_release:  # after the keep-alives: one added and released in one step ends
+            self._send_release(keep)
+            load = self.loads.get(keep.request_id)
+            if load is not None and load.state == LoadState.QUEUED and load.spec == keep:
+                del self.loads[keep.request_id]
+        for spec in meta.reqs_to_recv:
+            self._add(spec, now)
+        if not was_waiting and self.loads:  # the first heartbeat one period after the wait starts
+            self._next_heartbeat = now + self.config.heartbeat_seconds
+        for request_id in meta.reqs_to_cancel:
+            self._cancel(request_id)
+
+    def _add(self, spec: RecvSpec, now: float) -> None:
+        load = self.loads[spec.request_id] = Load(spec, LoadState.HANDSHAKING)
+        if not spec.local_block_ids:  # nothing to read: let P free its blocks
+            self._end(load, LoadState.DONE, release=True)
+            return
+        peer = self._peer(spec, now)
+        if peer.remote is not None:
+            self._to_claim(load, now)
+        else:
+            load.deadline = peer.deadline
+
+    def _cancel(self, request_id: str) -> None:
+        load = self.loads.get(request_id)
+        if load is None or not load.is_reported:  # unknown here: report it so the scheduler never waits
+            self._finished.add(request_id)
+        elif load.state in (LoadState.HANDSHAKING, LoadState.CLAIMING):  # nothing writes its blocks yet
+            self._end(load, LoadState.CANCELLED, release=True)
+        else:  # READING / QUARANTINED: it may still write into its blocks; reported when it ends
+            load.is_cancelled = True
+
+    # ---- each step (get_finished) ----
+    def step(self) -> set[str]:
+        while not self._events.empty():
+            self._apply_event(self._events.get_nowait())
+        if self.loads:
+            now = self.clock()
+            for load in list(self.loads.values()):
+                self._advance(load, now)
+            self._send_claims(now)
+            if now >= self._next_heartbeat:
+                self._heartbeat(now)
+        for key, request_ids in self._done_to_send.items():  # one notice per P per step
+            peer = self.peers.get(key)
+            if peer is not None:
+                self.t._send_done(peer, request_ids)
+        self._done_to_send = {}
+        if self.peers or self.clients or self._load_errors:
+            self._sweep()
+        finished, self._finished = self._finished, set()
+        return finished
+
+    def _advance(self, load: Load, now: float) -> None:
+        if load.state in (LoadState.READING, LoadState.QUARANTINED):
+            try:
+                state = self.t._check(load.handle)
+            except Exception as e:  # e.g. NIXL raising for a peer gone mid-READ: that READ failed
+                logger.warning("READ of %s: transfer status failed: %s: %s", load.spec.request_id, type(e).__name__, e)
+                state = "ERR"
+            if state != "PROC":
+                self._complete(load, state)
+            elif now > load.deadline and load.state == LoadState.READING:
+                self._abort(load)
+            elif load.state == LoadState.QUARANTINED and self._release_handle(load, log=False):
+                self._report_quarantined(load)
+        elif load.state in (LoadState.HANDSHAKING, LoadState.CLAIMING) and now > load.deadline:
+            what = "handshake with" if load.state == LoadState.HANDSHAKING else "claim on its KV at"
+            self._fail(load, f"the {what} the prefill instance did not complete within {self.timeout:g}s", None)
+
+    def _abort(self, load: Load) -> None:
+        """A READ past its deadline: fail it, but give its blocks back only once nothing writes them."""
+        logger.warning("READ of %s did not finish within %.1fs: aborting it", load.spec.request_id, self.read_timeout)
+        self.num_failures += 1
+        self._send_release(load.spec)
+        error = f"the READ from the prefill instance did not finish within {self.read_timeout:g}s"
+        self._load_errors[load.spec.request_id] = (self._error(load, error), self.clock())
+        if self._release_handle(load, log=True):
+            self._report_quarantined(load)
+        else:
+            self.num_quarantined += 1
+            load.state = LoadState.QUARANTINED
+
+    def _report_quarantined(self, load: Load) -> None:
+        self._error_blocks.update(load.spec.local_block_ids)
+        self._forget(load)
+
+    def _release_handle(self, load: Load, log: bool) -> bool:
+        try:
+            self.t._release(load.handle)
+            load.handle = None
+            return True
+        except Exception as e:  # still active and the transport cannot abort it
+            if log:
+                logger.warning("READ of %s: handle not released: %s", load.spec.request_id, e)
+            return False
+
+    def _complete(self, load: Load, state: str) -> None:
+        if load.state == LoadState.QUARANTINED:  # it stopped writing: the blocks may go back now
+            self._release_handle(load, log=True)
+            self._report_quarantined(load)
+            return
+        spec = load.spec
+        self._release_handle(load, log=True)
+        if state == "DONE":
+            self.num_bytes += load.num_bytes
+            self.num_descriptors += load.num_descriptors
+            self.transfer_seconds.observe(self.clock() - load.posted_at)
+            if self.t.notifies_done:
+                self._done_to_send.setdefault((spec.remote_engine_id, spec.remote_boot_id), []).append(
+                    spec.remote_request_id)
+        else:
+            self._peer_failed(spec)
+        invalid = self.t._invalid_blocks(load, state)
+        lost = state == "DONE" and self.clock() > load.lease_until  # P may have freed them under the READ
+        if lost:
+            invalid = list(spec.local_block_ids)
+        if not invalid:
+            self._end(load, LoadState.DONE)
+            return
+        cause = ("transfer error" if state != "DONE" else "the prefill instance's lease on this request's KV "
+                 "ran out during the read" if lost else f"injected {self.t._inject_read_failure}")
+        self._fail(load, f"{len(invalid)} of {len(spec.local_block_ids)} blocks invalid ({cause})", invalid,
+                   release=state != "DONE")  # after an ERR P got no done notice: let it free now
+
+    def _fail(self, load: Load, error: str, invalid: list[int] | None, release: bool = True) -> None:
+        self.num_failures += 1
+        self._error_blocks.update(load.spec.local_block_ids if invalid is None else invalid)
+        self._load_errors[load.spec.request_id] = (self._error(load, error), self.clock())
+        self._end(load, LoadState.FAILED, release=release)
+
+    @staticmethod
+    def _error(load: Load, error: str) -> str:
+        if "remote engine" in error:  # the handshake's errors name the engine already
+            return error
+        return f"KV load from remote engine {load.spec.remote_engine_id} failed: {error}"
+
+    def _end(self, load: Load, state: LoadState, release: bool = False) -> None:
+        """The one way out: a terminal state reports the load and forgets it."""
+        load.state = state
+        if release:
+            self._send_release(load.spec)
+        self._forget(load)
+
+    def _forget(self, load: Load) -> None:
+        if self.loads.get(load.spec.request_id) is load:
+            del self.loads[load.spec.request_id]
+        if load.is_reported:
+            self._finished.add(load.spec.request_id)
+
+    # ---- peers ----
+    def _peer(self, spec: RecvSpec, now: float) -> Peer:
+        key = (spec.remote_engine_id, spec.remote_boot_id)
+        peer = self.peers.get(key)
+        if peer is not None and not peer.is_failed:
+            peer.last_used = now
+            return peer
+        peer = self.peers[key] = Peer(spec.remote_engine_id, spec.remote_boot_id,
+                                      (spec.remote_host, spec.remote_port), now + self.timeout, last_used=now)
+        self._client(peer.address).send(
+            {"type": "handshake", "engine_id": self.t.engine_id, "compat_hash": self.t.compat_hash},
+            on_reply=lambda reply, blob, sent_at: self._on_handshake(peer, reply, blob),
+            on_error=lambda cause: self._fail_peer(peer, cause if "remote engine" in cause else
+                                                   f"handshake with remote engine {peer.engine_id} failed: {cause}"),
+            accept_refusal=True)
+        return peer
+
+    def _on_handshake(self, peer: Peer, reply: dict[str, Any], blob: bytes) -> None:
+        if self.peers.get((peer.engine_id, peer.boot_id)) is not peer:
+            return  # given up on (deadline) meanwhile
+        remote = self.t._parse_handshake(peer.engine_id, reply, blob)  # raises: fails the peer's loads
+        if peer.boot_id is not None and reply.get("boot_id") != peer.boot_id:
+            raise RuntimeError("the prefill instance restarted since it computed this request's KV")
+        for key, old in list(self.peers.items()):  # an older boot of this engine: its P is gone
+            if old is not peer and old.engine_id == peer.engine_id:
+                self._drop_peer(old)
+        self.t._connect(remote)
+        peer.remote = remote
+        now = self.clock()
+        for load in self._loads_of(peer, LoadState.HANDSHAKING):
+            self._to_claim(load, now)
+
+    def _loads_of(self, peer: Peer, *states: LoadState) -> list[Load]:
+        return [load for load in self.loads.values() if load.is_reported and load.state in states
+                and (load.spec.remote_engine_id, load.spec.remote_boot_id) == (peer.engine_id, peer.boot_id)]
+
+    def _fail_peer(self, peer: Peer, error: str) -> None:
+        waiting = self._loads_of(peer, LoadState.HANDSHAKING)
+        logger.warning("%s; failing %d request(s)", error, len(waiting))
+        self._drop_peer(peer)
+        for load in waiting:
+            self._fail(load, error, None)
+
+    def _peer_failed(self, spec: RecvSpec) -> None:
+        peer = self.peers.get((spec.remote_engine_id, spec.remote_boot_id))
+        if peer is not None:
+            peer.is_failed = True  # dropped once no READ uses it; the next load handshakes again
+
+    def _drop_peer(self, peer: Peer) -> None:
+        for load in self._loads_of(peer, LoadState.READING, LoadState.CLAIMING):
+            if load.state == LoadState.READING:
+                self._abort(load)
+            else:
+                self._fail(load, "the prefill instance restarted since it computed this request's KV", None)
+        if self.peers.get((peer.engine_id, peer.boot_id)) is peer:
+            del self.peers[(peer.engine_id, peer.boot_id)]
+        if peer.remote is not None:
+            try:
+                self.t._disconnect(peer.remote)
+            except Exception as e:
+                logger.warning("disconnecting from remote engine %s failed: %s", peer.engine_id, e)
+            peer.remote = None
+
+    def _client(self, address: tuple[str, int]) -> Client:
+        client = self.clients.get(address)
+        if client is None:
+            client = self.clients[address] = Client(address, self.config.auth_key, self.timeout, self._events,
+                                                    self.clock)
+        return client
+
+    def _sweep(self) -> None:
+        now = self.clock()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 1.0
+        for peer in list(self.peers.values()):
+            in_use = self._loads_of(peer, LoadState.HANDSHAKING, LoadState.CLAIMING, LoadState.READING,
+                                    LoadState.QUARANTINED)
+            if not in_use and (peer.is_failed or (peer.remote is None and now > peer.deadline)
+                               or now - peer.last_used > PEER_IDLE_S):
+                self._drop_peer(peer)
+        addresses = {(load.spec.remote_host, load.spec.remote_port) for load in self.loads.values()}
+        for address, client in list(self.clients.items()):
+            if address not in addresses and not client.num_pending and now - client.last_used > PEER_IDLE_S:
+                client.close()
+                del self.clients[address]
+        expired = now - LOAD_ERROR_TTL_S  # errors no client asked for (get_load_error) go after a while
+        self._load_errors = {r: e for r, e in self._load_errors.items() if e[1] > expired}
+
+    # ---- claims, heartbeats, releases ----
+    def _to_claim(self, load: Load, now: float) -> None:
+        load.state, load.deadline, load.claim_at = LoadState.CLAIMING, now + self.timeout, now
+
+    def _send_claims(self, now: float) -> None:
+        by_peer: dict[tuple[str, str | None], list[Load]] = {}
+        for load in self.loads.values():
+            if load.state == LoadState.CLAIMING and not load.is_claim_in_flight and load.claim_at <= now:
+                by_peer.setdefault((load.spec.remote_engine_id, load.spec.remote_boot_id), []).append(load)
+        for key, loads in by_peer.items():
+            peer = self.peers[key]
+            for load in loads:
+                load.is_claim_in_flight = True
+            self._client(peer.address).send(
+                {"type": "claim", "engine_id": self.t.engine_id, "boot_id": peer.boot_id,
+                 "claims": [{"request_id": load.spec.remote_request_id, "block_ids": load.spec.remote_block_ids,
+                             "claimant": load.spec.request_id} for load in loads]},
+                on_reply=lambda reply, blob, sent_at, peer=peer, loads=loads: self._on_claim(peer, loads, reply, sent_at),
+                on_error=lambda cause, loads=loads: [self._fail(load, f"the claim on its KV failed: {cause}", None)
+                                                     for load in loads if self.loads.get(load.spec.request_id) is load])
+
+    _REFUSALS = {
+        "expired": "the prefill instance's lease on this request's KV expired",
+        "stale_boot": "the prefill instance restarted since it computed this request's KV",
+        "mismatch": "the block ids differ from what the prefill instance granted",
+        "claimed": "another load already claimed this request's KV on the prefill instance",
+        "read": "another load already read this request's KV from the prefill instance",
+        "released": "the prefill instance already released this request's KV",
+    }
+
+    def _on_claim(self, peer: Peer, loads: list[Load], reply: dict[str, Any], sent_at: float) -> None:
+        results = reply["results"]
+        now = self.clock()
+        for load in loads:
+            load.is_claim_in_flight = False
+            if self.loads.get(load.spec.request_id) is not load or load.state != LoadState.CLAIMING:
+                continue  # cancelled meanwhile (its release follows the claim on the same thread)
+            result = results.get(load.spec.remote_request_id)
+            if result == "held":
+                load.lease_until = sent_at + self.config.lease_seconds
+                self._post(load, peer, now)
+            elif result == "unknown":  # never granted, already forgotten, or its SendSpec not there yet
+                load.claim_at = now + CLAIM_RETRY_S
+            else:
+                self._fail(load, self._REFUSALS.get(result, f"the prefill instance refused the claim ({result!r})"),
+                           None, release=result not in ("stale_boot", "claimed", "read"))
+
+    def _post(self, load: Load, peer: Peer, now: float) -> None:
+        spec, local, remote = load.spec, self.t._region, peer.remote
+        error = None
+        if local is None:
+            error = "KV cache is not registered"
+        elif len(spec.local_block_ids) != len(spec.remote_block_ids):
+            error = f"{len(spec.local_block_ids)} local blocks for {len(spec.remote_block_ids)} remote blocks"
+        elif not (0 <= min(spec.local_block_ids) and max(spec.local_block_ids) < local.num_blocks):
+            error = f"local block id out of range [0, {local.num_blocks})"
+        elif spec.remote_block_ids and not (0 <= min(spec.remote_block_ids)
+                                            and max(spec.remote_block_ids) < remote.region.num_blocks):
+            error = f"remote block id out of range [0, {remote.region.num_blocks})"
+        if error is not None:
+            self._fail(load, error, None)
+            return
+        runs = coalesce(spec.local_block_ids, spec.remote_block_ids)
+        load.posted_at, load.deadline = now, now + self.read_timeout
+        try:
+            handle, state = self.t._post(load, remote, runs)
+        except Exception as e:
+            logger.warning("request %s: posting the READ from %s failed: %s", spec.request_id, peer.engine_id, e)
+            self._fail(load, "the transfer could not be posted", None)
+            return
+        load.state, load.handle, load.num_descriptors = LoadState.READING, handle, len(runs)
+        load.num_bytes = len(spec.local_block_ids) * local.block_bytes
+        if state != "PROC":
+            self._complete(load, state)
+
+    def _heartbeat(self, now: float) -> None:
+        self._next_heartbeat = now + self.config.heartbeat_seconds
+        groups: dict[tuple[str, int, str | None], list[Load]] = {}
+        for load in self.loads.values():  # waiting for blocks here, a handshake, a claim, or reading
+            if not load.is_lost and load.state != LoadState.QUARANTINED:
+                spec = load.spec
+                groups.setdefault((spec.remote_host, spec.remote_port, spec.remote_boot_id), []).append(load)
+        for (host, port, boot_id), loads in groups.items():
+            client = self._client((host, port))
+            if client.num_heartbeats_pending:  # the last one has not come back: skip, never queue up
+                continue
+            message = {"type": "heartbeat", "engine_id": self.t.engine_id,
+                       "remote_request_ids": [load.spec.remote_request_id for load in loads]}
+            if boot_id is not None:
+                message["boot_id"] = boot_id
+            client.send(message, on_reply=lambda reply, blob, sent_at, loads=loads: self._on_heartbeat(
+                loads, reply, sent_at))
+
+    def _on_heartbeat(self, loads: list[Load], reply: dict[str, Any], sent_at: float) -> None:
+        gone = set(reply.get("expired") or []) | set(reply.get("unknown") or [])
+        expired = set(reply.get("expired") or [])
+        for load in loads:
+            if self.loads.get(load.spec.request_id) is not load:
+                continue  # ended meanwhile: a late reply leaves nothing behind
+            if load.spec.remote_request_id not in gone:
+                load.lease_until = max(load.lease_until, sent_at + self.config.lease_seconds)
+            elif load.state == LoadState.QUEUED:
+                load.is_lost = load.spec.remote_request_id in expired  # (unknown: maybe not arrived yet)
+            elif load.state == LoadState.READING:
+                load.lease_until, load.deadline = 0.0, 0.0  # P freed the blocks: this READ cannot be good
+
+    def _send_release(self, spec: RecvSpec | KeepAliveSpec) -> None:
+        message = {"type": "release", "engine_id": self.t.engine_id, "remote_request_ids": [spec.remote_request_id]}
+        if spec.remote_boot_id is not None:
+            message["boot_id"] = spec.remote_boot_id
+        self._client((spec.remote_host, spec.remote_port)).send(message, on_reply=lambda *_: None)
+
+    def send_done(self, peer: Peer, request_ids: list[str]) -> None:
+        message = {"type": "done", "engine_id": self.t.engine_id, "remote_request_ids": request_ids}
+        if peer.boot_id is not None:
+            message["boot_id"] = peer.boot_id
+        self._client(peer.address).send(message, on_reply=lambda *_: None)
+
+    def _apply_event(self, event: tuple) -> None:
+        client, message, handler, on_error, args = event
+        client.num_pending -= 1
+        client.num_heartbeats_pending -= message["type"] == "heartbeat"
+        if handler is None:
+            return
+        try:
+            handler(*args)
+        except Exception as e:  # a malformed reply, or a failed connect: fail what waited on it
+            logger.warning("%s reply from %s:%d: %s: %s", message["type"], *client.address, type(e).__name__, e)
+            if on_error is not None:
+                on_error(str(e) if isinstance(e, RuntimeError) else f"a malformed reply ({type(e).__name__})")
+
+    # ---- what the worker half reports ----
+    def take_error_blocks(self) -> set[int]:
+        error_blocks, self._error_blocks = self._error_blocks, set()
+        return error_blocks
+
+    def take_load_error(self, request_id: str) -> str | None:
+        error = self._load_errors.pop(request_id, None)
+        return error[0] if error is not None else None
+
+    def num_pending(self) -> int:
+        return sum(load.is_reported for load in self.loads.values()) + len(self._finished)
+
+    def shutdown(self) -> None:
+        for client in self.clients.values():
+            client.close()
+        self.clients.clear()
+        for load in self.loads.values():
+            if load.handle is not None:
+                self._release_handle(load, log=True)
+        self.loads.clear()
+        for peer in list(self.peers.values()):
+            self._drop_peer(peer)
