@@ -26,9 +26,10 @@ On D (consumer), per request (a Load):
   1. a RecvSpec: HANDSHAKING while the connection to P's (engine id, boot nonce) is made, once per
      P boot, deadline = now + the side-channel deadline; a reply naming another boot fails it at once
   2. CLAIMING: one claim per P per step for every load ready to claim, deadline as above
-  3. READING: after "held", the READ is posted (one descriptor per coalesced run), deadline = now +
-     read_timeout_seconds (default: lease_seconds); the lease is known good until the claim's (or
-     the last heartbeat's) send time + lease_seconds, and a READ that ends after that is invalid
+  3. READING: after "held", the READ is posted (one descriptor per coalesced run); the lease is known
+     good until the claim's (or the last acknowledged heartbeat's) send time + lease_seconds. The READ
+     lasts while that holds (P alive and holding; its steps may be long) and at most
+     read_timeout_seconds (default max(60 s, 2 leases)); a READ that ends after the lease is invalid
   4. DONE: finished_recving (+ bytes, descriptors, seconds) and, for transports without their own
      notification, a "done" to P; FAILED: finished_recving + its blocks in the load errors + an
      error naming the fate; CANCELLED (an abort before the READ): finished_recving, release to P
@@ -51,12 +52,9 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
-
-import numpy as np
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer import side_channel
@@ -75,29 +73,6 @@ TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 def side_channel_timeout(config: KVTransferConfig) -> float:
     return min(MAX_SIDE_CHANNEL_S, config.lease_seconds / 2)
-
-
-def coalesce(local_block_ids: list[int], remote_block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """[(local_start, remote_start, num_blocks)]: one run per stretch consecutive on both sides.
-    It runs inside the handoff's time (D posts after it): vectorized past a few blocks."""
-    num_blocks = min(len(local_block_ids), len(remote_block_ids))
-    if num_blocks and all(ids[:num_blocks] == list(range(ids[0], ids[0] + num_blocks))
-                          for ids in (local_block_ids, remote_block_ids)):
-        return [(local_block_ids[0], remote_block_ids[0], num_blocks)]  # the common case: one run
-    if num_blocks > 16:
-        local = np.asarray(local_block_ids[:num_blocks], dtype=np.int64)
-        remote = np.asarray(remote_block_ids[:num_blocks], dtype=np.int64)
-        breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1  # a run starts after each
-        starts = np.concatenate(([0], breaks))
-        lengths = np.diff(np.concatenate((starts, [num_blocks])))
-        return list(zip(local[starts].tolist(), remote[starts].tolist(), lengths.tolist()))
-    runs: list[tuple[int, int, int]] = []
-    for local_id, remote_id in zip(local_block_ids, remote_block_ids):
-        if runs and local_id == runs[-1][0] + runs[-1][2] and remote_id == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((local_id, remote_id, 1))
-    return runs
 
 
 @dataclass
@@ -250,7 +225,8 @@ class LeaseHolder:
                     num_extended += 1
                 elif request_id in self._ended or grant is not None:
                     fate = grant.state if grant is not None else self._ended[request_id][0]
-                    (expired if fate == GrantState.EXPIRED else unknown).append(request_id)
+                    if fate != GrantState.READ:  # read: the READ is done, its reader may not know yet
+                        (expired if fate == GrantState.EXPIRED else unknown).append(request_id)
                 else:
                     unknown.append(request_id)  # (or not arrived yet)
         return {"ok": True, "boot_id": self.boot_id, "num_extended": num_extended, "expired": expired,
@@ -292,7 +268,7 @@ class Load:
     is_claim_in_flight: bool = False
     lease_until: float = 0.0           # P's lease known good until then (a confirmation's send time + lease)
     is_cancelled: bool = False         # an abort while READING: reported when the READ ends
-    is_lost: bool = False              # QUEUED: P no longer holds it; stop heartbeating
+    is_lost: bool = False              # P no longer holds it (a heartbeat's reply): stop heartbeating
     posted_at: float = 0.0
     num_bytes: int = 0
     num_descriptors: int = 0
@@ -302,25 +278,6 @@ class Load:
         return isinstance(self.spec, RecvSpec)
 
 
-@dataclass(frozen=True)
-class Region:
-    """One engine's registered KV cache, as the handshake describes it."""
-    base_addr: int
-    num_blocks: int
-    block_bytes: int
-    mem_type: str   # DRAM | VRAM
-    device_id: int
-
-
-@dataclass
-class RemoteEngine:
-    engine_id: str
-    region: Region
-    reply: dict[str, Any]   # the handshake reply: transport fields beside the region
-    blob: bytes             # the handshake blob (NIXL: agent metadata)
-    conn: Any = None        # what the transport's _connect made of them
-
-
 @dataclass
 class Peer:
     """D's connection to one boot of one P."""
@@ -328,52 +285,9 @@ class Peer:
     boot_id: str | None
     address: tuple[str, int]
     deadline: float                     # for the handshake
-    remote: RemoteEngine | None = None  # set once connected
+    remote: Any = None                  # the transport glue's RemoteEngine, once connected
     is_failed: bool = False
     last_used: float = 0.0
-
-
-class Client:
-    """Side-channel client for one P address: one thread for handshakes, claims, releases and done
-    notices (so one P that accepts and never answers holds up only its own requests, and messages to
-    one P keep their order), one for heartbeats (so a slow claim never delays a lease's extension)."""
-
-    def __init__(self, address: tuple[str, int], key: str | None, timeout: float, events: queue.SimpleQueue,
-                 clock: Callable[[], float]) -> None:
-        self.address, self._key, self._timeout, self._events, self._clock = address, key, timeout, events, clock
-        self._lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-kv-{lane}-{address[1]}")
-                       for lane in ("client", "heartbeat")]
-        self.num_pending = self.num_heartbeats_pending = 0  # engine thread only
-        self.last_used = clock()
-
-    def send(self, message: dict[str, Any], on_reply: Callable, on_error: Callable | None = None,
-             accept_refusal: bool = False) -> None:
-        """on_reply(reply, blob, sent_at) or on_error(cause) run later on the engine thread (Loader.step);
-        a reply with ok=false goes to on_reply only with accept_refusal."""
-        self.num_pending += 1
-        self.num_heartbeats_pending += message["type"] == "heartbeat"
-        self.last_used = self._clock()
-
-        def run() -> None:
-            sent_at = self._clock()
-            try:
-                reply, blob = side_channel.request(*self.address, message, timeout=self._timeout, key=self._key)
-                if not reply.get("ok") and not accept_refusal:
-                    raise RuntimeError(f"refused: {reply.get('error')}")
-                event = (self, message, on_reply, on_error, (reply, blob, sent_at))
-            except Exception as e:  # every error, not only OSError: none may vanish in a Future
-                logger.warning("%s to %s:%d failed: %s: %s", message["type"], *self.address, type(e).__name__, e)
-                event = (self, message, on_error, None, ("its side channel did not answer in time"
-                                                          if isinstance(e, TimeoutError) else "its side channel failed",))
-            self._events.put(event)
-        try:
-            self._lanes[message["type"] == "heartbeat"].submit(run)
-        except RuntimeError:  # shut down
-            pass
-
-    def close(self) -> None:
-        for lane in self._lanes:
-            lane.shutdown(wait=False, cancel_futures=True)
 
 
 class Loader:
@@ -384,10 +298,12 @@ class Loader:
         self.t = transport  # hooks: _connect, _post, _check, _release, _disconnect, _send_done, _parse_handshake
         self.config, self.clock = config, clock
         self.timeout = side_channel_timeout(config)
-        self.read_timeout = float(config.extra.get("read_timeout_seconds", config.lease_seconds))
+        # A READ lasts while P confirms the lease (P's steps may be long: a READ may need them to
+        # progress), at most this long.
+        self.read_timeout = float(config.extra.get("read_timeout_seconds", max(60.0, 2 * config.lease_seconds)))
         self.loads: dict[str, Load] = {}
         self.peers: dict[tuple[str, str | None], Peer] = {}
-        self.clients: dict[tuple[str, int], Client] = {}
+        self.clients: dict[tuple[str, int], side_channel.PeerClient] = {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._finished: set[str] = set()
         self._error_blocks: set[int] = set()
@@ -466,20 +382,23 @@ class Loader:
                 state = "ERR"
             if state != "PROC":
                 self._complete(load, state)
-            elif now > load.deadline and load.state == LoadState.READING:
-                self._abort(load)
+            elif load.state == LoadState.READING and (now > load.deadline or now > load.lease_until):
+                self._abort(load, now)
             elif load.state == LoadState.QUARANTINED and self._release_handle(load, log=False):
                 self._report_quarantined(load)
         elif load.state in (LoadState.HANDSHAKING, LoadState.CLAIMING) and now > load.deadline:
             what = "handshake with" if load.state == LoadState.HANDSHAKING else "claim on its KV at"
             self._fail(load, f"the {what} the prefill instance did not complete within {self.timeout:g}s", None)
 
-    def _abort(self, load: Load) -> None:
+    def _abort(self, load: Load, now: float) -> None:
         """A READ past its deadline: fail it, but give its blocks back only once nothing writes them."""
-        logger.warning("READ of %s did not finish within %.1fs: aborting it", load.spec.request_id, self.read_timeout)
+        error = ("the prefill instance's lease on this request's KV ended during the read" if load.is_lost
+                 else f"the READ from the prefill instance did not finish within {self.read_timeout:g}s"
+                 if now > load.deadline else "the prefill instance stopped confirming its lease on this "
+                 "request's KV during the read")
+        logger.warning("READ of %s from %s: %s; aborting it", load.spec.request_id, load.spec.remote_engine_id, error)
         self.num_failures += 1
         self._send_release(load.spec)
-        error = f"the READ from the prefill instance did not finish within {self.read_timeout:g}s"
         self._load_errors[load.spec.request_id] = (self._error(load, error), self.clock())
         if self._release_handle(load, log=True):
             self._report_quarantined(load)
@@ -605,7 +524,7 @@ class Loader:
     def _drop_peer(self, peer: Peer) -> None:
         for load in self._loads_of(peer, LoadState.READING, LoadState.CLAIMING):
             if load.state == LoadState.READING:
-                self._abort(load)
+                self._abort(load, self.clock())
             else:
                 self._fail(load, "the prefill instance restarted since it computed this request's KV", None)
         if self.peers.get((peer.engine_id, peer.boot_id)) is peer:
@@ -617,10 +536,10 @@ class Loader:
                 logger.warning("disconnecting from remote engine %s failed: %s", peer.engine_id, e)
             peer.remote = None
 
-    def _client(self, address: tuple[str, int]) -> Client:
+    def _client(self, address: tuple[str, int]) -> side_channel.PeerClient:
         client = self.clients.get(address)
         if client is None:
-            client = self.clients[address] = Client(address, self.config.auth_key, self.timeout, self._events,
+            client = self.clients[address] = side_channel.PeerClient(address, self.config.auth_key, self.timeout, self._events,
                                                     self.clock)
         return client
 
@@ -691,30 +610,17 @@ class Loader:
                            None, release=result not in ("stale_boot", "claimed", "read"))
 
     def _post(self, load: Load, peer: Peer, now: float) -> None:
-        spec, local, remote = load.spec, self.t._region, peer.remote
-        error = None
-        if local is None:
-            error = "KV cache is not registered"
-        elif len(spec.local_block_ids) != len(spec.remote_block_ids):
-            error = f"{len(spec.local_block_ids)} local blocks for {len(spec.remote_block_ids)} remote blocks"
-        elif not (0 <= min(spec.local_block_ids) and max(spec.local_block_ids) < local.num_blocks):
-            error = f"local block id out of range [0, {local.num_blocks})"
-        elif spec.remote_block_ids and not (0 <= min(spec.remote_block_ids)
-                                            and max(spec.remote_block_ids) < remote.region.num_blocks):
-            error = f"remote block id out of range [0, {remote.region.num_blocks})"
-        if error is not None:
-            self._fail(load, error, None)
-            return
-        runs = coalesce(spec.local_block_ids, spec.remote_block_ids)
         load.posted_at, load.deadline = now, now + self.read_timeout
         try:
-            handle, state = self.t._post(load, remote, runs)
+            handle, state, load.num_descriptors, load.num_bytes = self.t._post_read(load, peer.remote)
+        except ValueError as e:  # the block ids do not fit (nothing posted)
+            self._fail(load, str(e), None)
+            return
         except Exception as e:
-            logger.warning("request %s: posting the READ from %s failed: %s", spec.request_id, peer.engine_id, e)
+            logger.warning("request %s: posting the READ from %s failed: %s", load.spec.request_id, peer.engine_id, e)
             self._fail(load, "the transfer could not be posted", None)
             return
-        load.state, load.handle, load.num_descriptors = LoadState.READING, handle, len(runs)
-        load.num_bytes = len(spec.local_block_ids) * local.block_bytes
+        load.state, load.handle = LoadState.READING, handle
         if state != "PROC":
             self._complete(load, state)
 
@@ -746,8 +652,8 @@ class Loader:
                 load.lease_until = max(load.lease_until, sent_at + self.config.lease_seconds)
             elif load.state == LoadState.QUEUED:
                 load.is_lost = load.spec.remote_request_id in expired  # (unknown: maybe not arrived yet)
-            elif load.state == LoadState.READING:
-                load.lease_until, load.deadline = 0.0, 0.0  # P freed the blocks: this READ cannot be good
+            elif load.state == LoadState.READING:  # P freed the blocks: this READ cannot be good
+                load.is_lost, load.lease_until, load.deadline = True, 0.0, 0.0
 
     def _send_release(self, spec: RecvSpec | KeepAliveSpec) -> None:
         message = {"type": "release", "engine_id": self.t.engine_id, "remote_request_ids": [spec.remote_request_id]}

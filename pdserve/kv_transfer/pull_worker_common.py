@@ -28,15 +28,16 @@ import hashlib
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.base import KVConnectorWorker
-from pdserve.kv_transfer.lifecycle import (GrantState, LeaseHolder, Load, Loader, Peer, Region, RemoteEngine,
-                                           coalesce)
+from pdserve.kv_transfer.lifecycle import GrantState, LeaseHolder, Load, Loader, Peer
 from pdserve.kv_transfer.pull import PullConnectorMeta
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,48 @@ __all__ = ["PullConnectorWorker", "Load", "Region", "RemoteEngine", "Peer", "coa
 
 def compat_hash(compat: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(compat, sort_keys=True).encode()).hexdigest()
+
+
+def coalesce(local_block_ids: list[int], remote_block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """[(local_start, remote_start, num_blocks)]: one run per stretch consecutive on both sides.
+    It runs inside the handoff's time (D posts after it): vectorized past a few blocks."""
+    num_blocks = min(len(local_block_ids), len(remote_block_ids))
+    if num_blocks and all(ids[:num_blocks] == list(range(ids[0], ids[0] + num_blocks))
+                          for ids in (local_block_ids, remote_block_ids)):
+        return [(local_block_ids[0], remote_block_ids[0], num_blocks)]  # the common case: one run
+    if num_blocks > 16:
+        local = np.asarray(local_block_ids[:num_blocks], dtype=np.int64)
+        remote = np.asarray(remote_block_ids[:num_blocks], dtype=np.int64)
+        breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1  # a run starts after each
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [num_blocks])))
+        return list(zip(local[starts].tolist(), remote[starts].tolist(), lengths.tolist()))
+    runs: list[tuple[int, int, int]] = []
+    for local_id, remote_id in zip(local_block_ids, remote_block_ids):
+        if runs and local_id == runs[-1][0] + runs[-1][2] and remote_id == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((local_id, remote_id, 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class Region:
+    """One engine's registered KV cache, as the handshake describes it."""
+    base_addr: int
+    num_blocks: int
+    block_bytes: int
+    mem_type: str   # DRAM | VRAM
+    device_id: int
+
+
+@dataclass
+class RemoteEngine:
+    engine_id: str
+    region: Region
+    reply: dict[str, Any]   # the handshake reply: transport fields beside the region
+    blob: bytes             # the handshake blob (NIXL: agent metadata)
+    conn: Any = None        # what the transport's _connect made of them
 
 
 def check_inject_read_failure(config: KVTransferConfig) -> None:
@@ -212,6 +255,22 @@ class PullConnectorWorker(KVConnectorWorker):
             return {**reply, "ok": False, "error": "KV cache is not registered yet"}, b""
         return {**reply, **self._handshake_fields, "ok": True,
                 "region": self._region.__dict__}, self._handshake_blob
+
+    def _post_read(self, load: Load, remote: RemoteEngine) -> tuple[Any, str, int, int]:
+        """Start one load's READ: (handle, state, descriptors, bytes). ValueError: the block ids do not
+        fit either cache (nothing posted)."""
+        spec, local = load.spec, self._region
+        if local is None:
+            raise ValueError("KV cache is not registered")
+        if len(spec.local_block_ids) != len(spec.remote_block_ids):
+            raise ValueError(f"{len(spec.local_block_ids)} local blocks for {len(spec.remote_block_ids)} remote blocks")
+        if not (0 <= min(spec.local_block_ids) and max(spec.local_block_ids) < local.num_blocks):
+            raise ValueError(f"local block id out of range [0, {local.num_blocks})")
+        if not (0 <= min(spec.remote_block_ids) and max(spec.remote_block_ids) < remote.region.num_blocks):
+            raise ValueError(f"remote block id out of range [0, {remote.region.num_blocks})")
+        runs = coalesce(spec.local_block_ids, spec.remote_block_ids)
+        handle, state = self._post(load, remote, runs)
+        return handle, state, len(runs), len(spec.local_block_ids) * local.block_bytes
 
     def _invalid_blocks(self, load: Load, state: str) -> list[int]:
         """Local blocks a finished READ left without valid KV. The one place fault injection acts."""

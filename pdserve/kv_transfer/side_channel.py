@@ -27,8 +27,10 @@ import logging
 import socket
 import socketserver
 import struct
+import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -167,3 +169,47 @@ class SideChannelServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=DEFAULT_TIMEOUT_S)
+
+
+class PeerClient:
+    """The client side for one peer address: one thread for handshakes, claims, releases and done
+    notices (so one P that accepts and never answers holds up only its own requests, and messages to
+    one P keep their order), one for heartbeats (so a slow claim never delays a lease's extension)."""
+
+    def __init__(self, address: tuple[str, int], key: str | None, timeout: float, events: queue.SimpleQueue,
+                 clock: Callable[[], float]) -> None:
+        self.address, self._key, self._timeout, self._events, self._clock = address, key, timeout, events, clock
+        self._lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-kv-{lane}-{address[1]}")
+                       for lane in ("client", "heartbeat")]
+        self.num_pending = self.num_heartbeats_pending = 0  # engine thread only
+        self.last_used = clock()
+
+    def send(self, message: dict[str, Any], on_reply: Callable, on_error: Callable | None = None,
+             accept_refusal: bool = False) -> None:
+        """Queue one exchange; the outcome goes to `events` as (self, message, on_reply, on_error,
+        (reply, blob, sent_at)) or (self, message, on_error, None, (cause,)), for the owner's thread to
+        run (lifecycle.Loader.step). A reply with ok=false counts as an error unless accept_refusal."""
+        self.num_pending += 1
+        self.num_heartbeats_pending += message["type"] == "heartbeat"
+        self.last_used = self._clock()
+
+        def run() -> None:
+            sent_at = self._clock()
+            try:
+                reply, blob = request(*self.address, message, timeout=self._timeout, key=self._key)
+                if not reply.get("ok") and not accept_refusal:
+                    raise RuntimeError(f"refused: {reply.get('error')}")
+                event = (self, message, on_reply, on_error, (reply, blob, sent_at))
+            except Exception as e:  # every error, not only OSError: none may vanish in a Future
+                logger.warning("%s to %s:%d failed: %s: %s", message["type"], *self.address, type(e).__name__, e)
+                event = (self, message, on_error, None, ("its side channel did not answer in time"
+                                                          if isinstance(e, TimeoutError) else "its side channel failed",))
+            self._events.put(event)
+        try:
+            self._lanes[message["type"] == "heartbeat"].submit(run)
+        except RuntimeError:  # shut down
+            pass
+
+    def close(self) -> None:
+        for lane in self._lanes:
+            lane.shutdown(wait=False, cancel_futures=True)

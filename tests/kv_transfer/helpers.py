@@ -46,14 +46,19 @@ def worker_factory(connector: str):
         worker.shutdown()
 
 
+def _boot(p) -> list:
+    boot_id = getattr(p, "boot_id", None)  # P's per-boot nonce (none on a fake P)
+    return [] if boot_id is None else [boot_id]
+
+
 def recv_spec(request_id, p, local_block_ids, remote_block_ids, p_request_id="p-req", port=None):
     return RecvSpec(request_id, local_block_ids, remote_block_ids, p.engine_id, p_request_id,
-                    "127.0.0.1", port or p.side_channel_port, getattr(p, "boot_id", None))
+                    "127.0.0.1", port or p.side_channel_port, *_boot(p))
 
 
-def keep_alive_spec(request_id, p, p_request_id="p-req"):
-    return KeepAliveSpec(request_id, p.engine_id, p_request_id, "127.0.0.1", p.side_channel_port,
-                         getattr(p, "boot_id", None))
+def keep_alive_spec(request_id, p, p_request_id="p-req", port=None):
+    return KeepAliveSpec(request_id, p.engine_id, p_request_id, "127.0.0.1", port or p.side_channel_port,
+                         *_boot(p))
 
 
 def poll(workers, until, timeout=5.0):
@@ -76,5 +81,25 @@ def assert_idle(*workers):
     for worker in workers:
         assert worker.num_pending_requests() == 0
         assert worker.get_stats()["num_blocks_held_for_transfer"] == 0
-        if hasattr(worker, "loader"):
-            assert not worker.loader.loads and not worker.holder._grants
+        assert_no_request_state(worker)
+
+
+# Containers that may stay non-empty on an idle worker: configuration, connections to peers (dropped
+# when idle), and ended grants (remembered for one lease period, bounded).
+_NOT_REQUEST_STATE = {"compat", "_handshake_fields", "peers", "clients", "_remotes", "_handshakes", "_ended",
+                      "_expired", "_streams", "extra", "stats"}
+
+
+def request_state(worker) -> dict[str, int]:
+    """Every non-empty per-request container of a worker half (and of its lifecycle objects)."""
+    found = {}
+    for owner in (worker, getattr(worker, "loader", None), getattr(worker, "holder", None)):
+        for name, value in (vars(owner) if owner is not None else {}).items():
+            if isinstance(value, (dict, set, list)) and value and name not in _NOT_REQUEST_STATE:
+                found[name] = len(value)
+    return found
+
+
+def assert_no_request_state(worker) -> None:
+    state = request_state(worker)
+    assert state == {}, state
