@@ -5,8 +5,12 @@ Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions` in P/D mo
    client's JSON object within the body timeout (parsed off the event loop when large), else 400/408/413.
    Drop any kv_transfer_params the client sent: pairing P with D is the router's alone. Take the client's
    X-Request-Id or make one: both hops carry it, and the router key, never the client's Authorization.
+   Check the body against the OpenAI schema (protocol.py) before any backend works on it: a request D would
+   refuse must not cost a prefill first (400 naming the field).
 2. Prefill hop: pick a P (round-robin) and POST it the body with `kv_transfer_params: {do_remote_decode: true}`,
-   `max_tokens: 1` (and `max_completion_tokens: 1` for chat), `stream: false`, no `stream_options`.
+   `stream: false`, no `stream_options`, and the client's own max_tokens: P checks prompt + max_tokens against
+   its context, as D will, then generates one token (a prefill for a remote decode always does).
+   A 503 from a backend (at capacity) goes to the client as a 503 with its Retry-After, after the other P.
    A 4xx from P (validation) goes to the client as is, except 401/403 (the router's own key was refused: a
    502). A connection error, timeout or 5xx is retried once on another P when there is one, then becomes a
    502 naming the P by its pool and index ("prefill-0"); URLs and backend error text stay in the log.
@@ -43,7 +47,7 @@ from aiohttp import web
 
 from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV
 from pdserve.metrics import CONTENT_TYPE
-from pdserve.protocol import SSE_DONE, error_body, sse_event
+from pdserve.protocol import SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, error_body, sse_event
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.policy import Policy, RoundRobin
 
@@ -63,22 +67,32 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-def parse_body(data: bytes) -> dict:
+def parse_body(data: bytes, schema=None) -> dict:
+    """The client's JSON object, checked against `schema` (a protocol request class) when given."""
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):
         body = None
     if not isinstance(body, dict):
         raise ClientError(400, "request body must be a JSON object")
+    if schema is not None:
+        try:
+            schema.from_json(body)
+        except ProtocolError as e:
+            raise ClientError(e.status, e.message, e.param) from None
     return body
 
 
 class ClientError(Exception):
     """The client's request is refused before any backend sees it."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.param = status, message, param
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        return web.json_response(error_body(self.message, status=self.status, param=self.param),
+                                 status=self.status, headers=headers)
 
 
 def kv_transfer_params_of(data: bytes) -> dict | None:
@@ -107,11 +121,12 @@ class BackendError(Exception):
 
     def __init__(self, role: str, url: str, detail: str, status: int = 502, body: bytes | None = None,
                  content_type: str = "application/json", never_took_request: bool = False,
-                 public_detail: str = "failed") -> None:
+                 public_detail: str = "failed", retry_after: str | None = None) -> None:
         super().__init__(f"{role} backend {url} failed: {detail}")
         self.role, self.url, self.public_detail = role, url, public_detail
-        self.status, self.body, self.content_type = status, body, content_type
-        self.is_retryable = body is None  # connection error, timeout, 5xx; never the client's 4xx
+        self.status, self.body, self.content_type, self.retry_after = status, body, content_type, retry_after
+        # connection error, timeout, 5xx, 503 at capacity; never the client's 4xx
+        self.is_retryable = body is None or retry_after is not None
         # Certain only where no connection was made or the backend answered with an error status.
         self.never_took_request = never_took_request
 
@@ -120,7 +135,10 @@ class BackendError(Exception):
 
     def response(self, names: dict[str, str]) -> web.Response:
         if self.body is not None:
-            return web.Response(status=self.status, body=self.body, headers={"Content-Type": self.content_type})
+            headers = {"Content-Type": self.content_type}
+            if self.retry_after is not None:
+                headers["Retry-After"] = self.retry_after
+            return web.Response(status=self.status, body=self.body, headers=headers)
         return json_error(self.public_message(names), self.status, "backend_error")
 
 
@@ -135,15 +153,16 @@ def public_detail(e: BaseException) -> str:
 
 class Proxy:
     def __init__(self, prefill: Policy | None, decode: Policy | None, colocated: Policy | None,
-                 api_key: str | None, timeout: float, connect_timeout: float, max_connections: int,
+                 api_key: str | None, timeout: float, connect_timeout: float,
                  router_key: str | None = None, max_in_flight: int = 4096, body_timeout: float = 30.0,
                  max_body_bytes: int = 32 << 20) -> None:
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
-        self.api_key, self.router_key, self.max_connections = api_key, router_key, max_connections
+        self.api_key, self.router_key = api_key, router_key
         self.max_in_flight, self.body_timeout, self.max_body_bytes = max_in_flight, body_timeout, max_body_bytes
         self.num_in_flight = 0
         # total=None: a long stream is fine; a backend silent for `timeout` seconds is not.
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=timeout)
+        # sock_connect, not connect: the latter would also count waiting for a pool slot as the backend's.
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
         self.session: aiohttp.ClientSession | None = None
         self.metrics = ProxyMetrics()
         self.releases: set[asyncio.Task] = set()  # in the background: the client's answer does not wait
@@ -153,7 +172,10 @@ class Proxy:
                       for i, url in enumerate(pool.urls)}
 
     async def session_ctx(self, app: web.Application):
-        connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
+        # Admission bounds the hops: a request holds one backend connection at a time, plus a release in
+        # the background. A smaller pool would make requests past it wait for a slot and time out as if
+        # the backend had (a 502 blaming a healthy instance) instead of the 503 admission gives.
+        connector = aiohttp.TCPConnector(limit=2 * self.max_in_flight, limit_per_host=0)
         self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
         yield
         await self.session.close()
@@ -170,7 +192,7 @@ class Proxy:
             headers[ROUTER_KEY_HEADER] = self.router_key
         return headers
 
-    async def read_body(self, request: web.Request) -> dict:
+    async def read_body(self, request: web.Request, schema=None) -> dict:
         try:
             async with asyncio.timeout(self.body_timeout):
                 data = await request.read()
@@ -179,8 +201,8 @@ class Proxy:
         except web.HTTPRequestEntityTooLarge:
             raise ClientError(413, f"the request body is larger than {self.max_body_bytes} bytes") from None
         if len(data) <= INLINE_PARSE_BYTES:
-            return parse_body(data)
-        return await asyncio.to_thread(parse_body, data)
+            return parse_body(data, schema)
+        return await asyncio.to_thread(parse_body, data, schema)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.metrics.num_requests.inc()
@@ -195,12 +217,12 @@ class Proxy:
         try:
             if not self.is_authorized(request):
                 raise ClientError(401, "invalid or missing API key (Authorization: Bearer <key>)")
-            body = await self.read_body(request)
+            is_chat = request.path.endswith("/chat/completions")
+            body = await self.read_body(request, ChatCompletionRequest if is_chat else CompletionRequest)
             body.pop("kv_transfer_params", None)  # the router's to set, never the client's
             start, headers = time.monotonic(), self.backend_headers(request_id)
             if self.colocated is not None:  # colocated: no prefill hop
                 return await self.final_hop(request, "colocated", self.colocated, body, headers, start)
-            is_chat = request.path.endswith("/chat/completions")
             prefill_url, kv_transfer_params = await self.prefill_hop(request.path, body, headers, is_chat)
             try:
                 return await self.final_hop(request, "decode", self.decode,
@@ -211,7 +233,7 @@ class Proxy:
                 raise
         except ClientError as e:
             self.metrics.num_errors.inc()
-            return json_error(e.message, e.status)
+            return e.response()
         except BackendError as e:
             level = logging.INFO if e.body is not None else logging.WARNING  # a 4xx is the client's doing
             logger.log(level, "request %s: %s", request_id, e)
@@ -250,6 +272,10 @@ class Proxy:
         if resp.status < 500:  # the client's mistake: its own status and body
             raise BackendError(role, url, f"HTTP {resp.status}", resp.status, data,
                                resp.headers.get("Content-Type", "application/json"), never_took_request=True)
+        if resp.status == 503:  # at capacity: the client should back off as the backend says (another P first)
+            raise BackendError(role, url, "HTTP 503 (at capacity)", 503, data,
+                               resp.headers.get("Content-Type", "application/json"), never_took_request=True,
+                               retry_after=resp.headers.get("Retry-After", str(RETRY_AFTER_S)))
         message = error_message_of(data)  # a pdserve instance words its errors for clients already
         raise BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')}",
                            public_detail=f"failed: {message}" if message else f"failed (HTTP {resp.status})",
@@ -257,19 +283,17 @@ class Proxy:
 
     async def prefill_hop(self, path: str, body: dict, headers: dict, is_chat: bool) -> tuple[str, dict]:
         """(the P that answered, its kv_transfer_params)."""
-        prefill_body = dict(body, kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False)
-        if is_chat:
-            prefill_body["max_completion_tokens"] = 1
+        prefill_body = dict(body, kv_transfer_params={"do_remote_decode": True}, stream=False)
         prefill_body.pop("stream_options", None)
         start, failed_urls = time.monotonic(), []
         while (url := self.prefill.pick(exclude=failed_urls)) is not None:
             try:
                 data = await self.read("prefill", url, await self.post("prefill", url, path, prefill_body, headers))
             except BackendError as e:
-                if e.is_retryable:
+                if e.body is None:  # the backend's fault (not a 4xx, not a 503 at capacity)
                     self.metrics.backend_error("prefill", self.names[url])
                 failed_urls.append(url)
-                if not e.is_retryable or len(failed_urls) == 2:
+                if not e.is_retryable or len(failed_urls) == 2 or len(self.prefill.urls) == 1:
                     raise
                 logger.warning("request %s: %s; retrying on another P", headers["X-Request-Id"], e)
                 self.metrics.num_prefill_retries.inc()
@@ -315,7 +339,7 @@ class Proxy:
             finally:
                 resp.close()  # unread: drops the connection, so the backend aborts the request
         except BackendError as e:
-            if e.is_retryable:
+            if e.body is None:
                 self.metrics.backend_error(role, self.names[url])
             raise
         finally:
@@ -402,6 +426,22 @@ class Proxy:
 
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
+# aiohttp's default of an hour: a connection idle (or still sending its headers) this long is closed,
+# so that connections that never finish a request do not pile up.
+IDLE_CONNECTION_TIMEOUT_S = 60.0
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own 404 / 405 / 413 as OpenAI-style JSON, like every other answer."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
+        return web.json_response(error_body(f"{e.reason}: {request.method} {request.path}", status=e.status),
+                                 status=e.status, headers=headers)
 
 
 def normalize_url(url: str) -> str:
@@ -412,7 +452,7 @@ def normalize_url(url: str) -> str:
 def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
                     colocated_urls: Sequence[str] | None = None, api_key: str | None = None,
                     timeout: float = 600.0, connect_timeout: float = 10.0,
-                    max_connections: int = 1024, *, router_key: str | None = None, max_in_flight: int = 4096,
+                    *, router_key: str | None = None, max_in_flight: int = 4096,
                     max_body_bytes: int = 32 << 20, body_timeout: float = 30.0) -> web.Application:
     """P/D mode needs prefill_urls and decode_urls; colocated mode needs only colocated_urls.
 
@@ -426,10 +466,10 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
     prefill, decode, colocated = (RoundRobin(urls) if urls else None for urls in pools)
-    proxy = Proxy(prefill, decode, colocated, api_key, timeout, connect_timeout, max_connections,
+    proxy = Proxy(prefill, decode, colocated, api_key, timeout, connect_timeout,
                   router_key=router_key, max_in_flight=max_in_flight, body_timeout=body_timeout,
                   max_body_bytes=max_body_bytes)
-    app = web.Application(client_max_size=max_body_bytes)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app[PROXY_KEY] = proxy
     app.cleanup_ctx.append(proxy.session_ctx)
     app.router.add_post("/v1/completions", proxy.completions)
@@ -471,5 +511,6 @@ def main_proxy(args: argparse.Namespace) -> int:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2
     # handler_cancellation: a client disconnect cancels the handler, which closes the hop in progress.
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None)
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
+                keepalive_timeout=IDLE_CONNECTION_TIMEOUT_S)
     return 0

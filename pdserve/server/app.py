@@ -58,6 +58,9 @@ RETRY_AFTER_S = 1                     # what a 503 at capacity tells the client 
 INLINE_PARSE_BYTES = 64 << 10         # larger bodies are parsed on the large lane, off the event loop
 SMALL_INPUT_CHARS = 16 << 10          # prompts up to this many characters take the small lane
 IS_ROUTER_KEY = web.RequestKey("pdserve_is_router", bool)
+# A connection idle this long (aiohttp's default is an hour), or never done sending its headers, is
+# closed: connections that never make a request must not pile up.
+IDLE_CONNECTION_TIMEOUT_S = 60.0
 
 
 class _Generation:
@@ -194,12 +197,15 @@ class OpenAIServer:
             request[IS_ROUTER_KEY] = is_router = _secret_matches(request.headers.get(ROUTER_KEY_HEADER),
                                                                  self.config.router_key)
             if self.config.api_key is not None and request.path not in OPEN_PATHS and not is_router:
-                if not _secret_matches(request.headers.get("Authorization"), f"Bearer {self.config.api_key}"):
+                if not _secret_matches(_bearer_token(request), self.config.api_key):
                     raise ProtocolError(401, "invalid or missing API key (Authorization: Bearer <key>)")
             return await handler(request)
         except ProtocolError as e:
             headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
-            return json_error(e.status, e.message, e.param, headers=headers)
+            response = json_error(e.status, e.message, e.param, headers=headers)
+            if e.status == 408:   # the rest of a body that came too slowly must not be read as a request
+                response.force_close()
+            return response
         except web.HTTPException as e:   # 404, 405 (with its Allow header), 413 ...
             if e.status < 400:
                 raise
@@ -290,6 +296,7 @@ class OpenAIServer:
             token_ids = await self._tokenize_in_lane(len(req.prompt), _tokenize, req.prompt, add_special_tokens)
         else:
             token_ids = req.prompt
+            self._check_token_ids(token_ids, "prompt")
         return web.json_response({"count": len(token_ids), "max_model_len": self.engine.max_model_len,
                                   "tokens": token_ids})
 
@@ -300,12 +307,7 @@ class OpenAIServer:
         if not isinstance(tokens, list) or not all(_is_token_id(t) for t in tokens):
             raise ProtocolError(400, "tokens: expected a list of token ids", "tokens")
         self._check_model(body.get("model"))
-        if len(tokens) > self.engine.max_model_len:
-            raise ProtocolError(400, f"tokens: at most {self.engine.max_model_len} (the model's length)", "tokens")
-        vocab_size = getattr(self.engine, "vocab_size", None)
-        if tokens and vocab_size is not None and max(tokens) >= vocab_size:
-            raise ProtocolError(400, f"tokens: id {max(tokens)} is out of the vocabulary (size {vocab_size})",
-                                "tokens")
+        self._check_token_ids(tokens, "tokens")
         text = await self._tokenize_in_lane(len(tokens), _detokenize, tokens)
         return web.json_response({"prompt": text})
 
@@ -344,6 +346,15 @@ class OpenAIServer:
             raise ProtocolError(403, "kv_transfer_params are accepted only from the router", "kv_transfer_params")
         return req
 
+    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if len(token_ids) > self.engine.max_model_len:
+            raise ProtocolError(400, f"{param}: {len(token_ids)} tokens, more than the model's length "
+                                     f"({self.engine.max_model_len})", param)
+        vocab_size = getattr(self.engine, "vocab_size", None)
+        if token_ids and vocab_size is not None and max(token_ids) >= vocab_size:
+            raise ProtocolError(400, f"{param}: token id {max(token_ids)} is out of the vocabulary "
+                                     f"(size {vocab_size})", param)
+
     def _check_prompt_chars(self, num_chars: int, param: str) -> None:
         """Before tokenizing: a prompt far longer than the context would only keep a tokenizer busy."""
         if num_chars > self.max_prompt_chars:
@@ -363,7 +374,9 @@ class OpenAIServer:
             tokenizer = self._lane_tokenizers.tokenizer = copy.deepcopy(self.engine.tokenizer)
         return fn(tokenizer, *args)
 
-    def _check_model(self, model: str | None) -> None:
+    def _check_model(self, model: Any) -> None:
+        if model is not None and not isinstance(model, str):
+            raise ProtocolError(400, f"model: expected a string, got {type(model).__name__}", "model")
         if model is not None and model != self.engine.served_model_name:
             raise ProtocolError(400, f"the model {model!r} does not exist; this server serves "
                                      f"{self.engine.served_model_name!r}", "model")
@@ -385,15 +398,16 @@ class OpenAIServer:
     def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, prompt_token_ids: list[int]) -> int:
         """vLLM's rule: refuse what does not fit; an unset max_tokens fills the model's length."""
         num_prompt, max_model_len = len(prompt_token_ids), self.engine.max_model_len
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if num_prompt == 0:
-            raise ProtocolError(400, "the prompt is empty after tokenization", "prompt")
+            raise ProtocolError(400, "the prompt is empty after tokenization", param)
         vocab_size = getattr(self.engine, "vocab_size", None)
         if vocab_size is not None and max(prompt_token_ids) >= vocab_size:
             raise ProtocolError(400, f"token id {max(prompt_token_ids)} is out of the vocabulary "
-                                     f"(size {vocab_size})", "prompt")
+                                     f"(size {vocab_size})", param)
         if num_prompt >= max_model_len:   # no room for even one generated token
             raise ProtocolError(400, f"this model's maximum context length is {max_model_len} tokens; "
-                                     f"the prompt has {num_prompt} tokens", "prompt")
+                                     f"the prompt has {num_prompt} tokens", param)
         if req.max_tokens is None:
             return max_model_len - num_prompt
         if num_prompt + req.max_tokens > max_model_len:
@@ -405,6 +419,11 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest,
                         prompt_token_ids: list[int], *, is_chat: bool) -> web.StreamResponse:
         params = req.to_sampling_params(self._max_tokens(req, prompt_token_ids))
+        if (req.kv_transfer_params or {}).get("do_remote_decode") is True:
+            # A prefill for a remote decode computes the prompt's KV and one token; the client's own
+            # max_tokens (which the router passes on) was checked against the context just above, so a
+            # request the decode instance would refuse is refused here, before the prefill is paid for.
+            params.max_tokens = 1
         request_id = protocol.new_chat_completion_id() if is_chat else protocol.new_completion_id()
         try:
             generation = _Generation(self.engine, self.metrics, request_id, list(prompt_token_ids), params,
@@ -543,6 +562,12 @@ def _apply_chat_template(tokenizer: Any, req: ChatCompletionRequest) -> list[int
     return [int(t) for t in result]
 
 
+def _bearer_token(request: web.Request) -> str | None:
+    """The credentials of "Authorization: Bearer <token>" (the scheme is case-insensitive, RFC 7235)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token if scheme.lower() == "bearer" else None
+
+
 def _secret_matches(given: str | None, expected: str | None) -> bool:
     """Constant-time comparison of a header with a secret. aiohttp hands over non-UTF-8 header bytes as
     surrogate escapes: they are a wrong key (401), not an encoding error (500)."""
@@ -606,6 +631,7 @@ async def start_server(engine: Any, host: str = "127.0.0.1", port: int = 0, conf
     """Start serving on the running loop; returns the runner (await runner.cleanup() to stop) and the
     bound port (useful with port=0)."""
     runner = web.AppRunner(build_app(engine, config), handler_cancellation=True,
+                           keepalive_timeout=IDLE_CONNECTION_TIMEOUT_S,
                            access_log=logging.getLogger("aiohttp.access") if access_log else None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

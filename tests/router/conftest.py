@@ -57,9 +57,13 @@ class FakeBackend:
         body = await request.json()
         self.received.append(Received(request.path, request.headers.copy(), body))
         is_chat = request.path.endswith("/chat/completions")
-        if self.mode in ("http500", "http400", "http401"):
+        if self.mode in ("http500", "http400", "http401", "http503"):
             status = int(self.mode[4:])
-            return web.json_response(protocol.error_body(f"{self.role} says {status}", status=status), status=status)
+            headers = {"Retry-After": "7"} if status == 503 else None
+            return web.json_response(protocol.error_body(f"{self.role} says {status}", status=status), status=status,
+                                     headers=headers)
+        if self.mode == "slow_1s":
+            await asyncio.sleep(1)
         if self.mode == "slow":  # a long prefill, until the client goes away
             try:
                 await asyncio.sleep(5)
@@ -80,9 +84,8 @@ class FakeBackend:
 
     def prefill(self, body: dict, is_chat: bool) -> web.Response:
         self.check(body.get("kv_transfer_params") == {"do_remote_decode": True}, "prefill kv_transfer_params")
-        self.check(body.get("max_tokens") == 1 and body.get("stream") is False, "prefill max_tokens/stream")
+        self.check(body.get("stream") is False, "prefill stream")
         self.check("stream_options" not in body, "prefill got stream_options")
-        self.check(not is_chat or body.get("max_completion_tokens") == 1, "prefill max_completion_tokens")
         make = protocol.chat_response if is_chat else protocol.completion_response
         params = None if self.mode == "no_kv" else self.kv_transfer_params
         return web.json_response(make("id-p", MODEL, "P!", "length", P_USAGE, kv_transfer_params=params))

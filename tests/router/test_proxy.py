@@ -5,6 +5,7 @@ import argparse
 import json
 import socket
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -65,7 +66,8 @@ def test_pd_round_trip(harness, is_chat, is_stream):
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (D_USAGE["prompt_tokens"], len(PIECES))
     [p_hop], [d_hop] = p.received, d.received
     assert p_hop.path == d_hop.path == ("/v1/chat/completions" if is_chat else "/v1/completions")
-    assert p_hop.body["stream"] is False and p_hop.body["max_tokens"] == 1  # the fake P also checks these
+    # P gets the client's max_tokens to check against its context (and generates one token itself)
+    assert p_hop.body["stream"] is False and p_hop.body["max_tokens"] == 16  # the fake P also checks these
     assert d_hop.body["kv_transfer_params"] == p.kv_transfer_params
     assert d_hop.body["max_tokens"] == 16 and d_hop.body.get("stream", False) is is_stream
     assert ("stream_options" in d_hop.body) is is_stream
@@ -300,16 +302,45 @@ def test_a_backend_refusing_the_router_key_is_a_502_not_the_clients_401(harness)
     assert status == 502 and error_of(raw)["message"] == "the prefill-0 instance refused the router"
 
 
-def test_past_max_in_flight_the_proxy_answers_503_with_retry_after(harness):
-    p, d = harness.backend("prefill", "slow"), harness.backend("decode")
-    url = harness.proxy([p], [d], max_in_flight=1)
-    import threading
-    first = threading.Thread(target=lambda: post_raw(url, "/v1/completions", PROMPT_BODY, timeout=10))
-    first.start()
-    assert wait_for(lambda: len(p.received) == 1)
+def test_past_max_in_flight_the_proxy_answers_503_with_retry_after_never_502(harness):
+    """Admission, not the backend connection pool, decides who waits: the excess gets a 503 at once;
+    nobody waits for a pool slot until it times out as if a healthy P had (a 502 blaming it)."""
+    from concurrent.futures import ThreadPoolExecutor
+    p, d = harness.backend("prefill", "slow_1s"), harness.backend("decode")
+    url = harness.proxy([p], [d], max_in_flight=3)
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: post_raw(url, "/v1/completions", PROMPT_BODY, timeout=10), range(6)))
+    assert sorted(status for status, _, _ in answers) == [200, 200, 200, 503, 503, 503]
+    assert all(headers["Retry-After"] == "1" and error_of(raw)["code"] == 503
+               for status, headers, raw in answers if status == 503)
+
+
+def test_a_backend_at_capacity_passes_its_503_and_retry_after_to_the_client(harness):
+    c = harness.backend("colocated", "http503")
+    url = harness.proxy(colocated=[c])
     status, headers, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
-    assert status == 503 and headers["Retry-After"] == "1" and error_of(raw)["code"] == 503
-    first.join(10)
+    assert status == 503 and headers["Retry-After"] == "7" and error_of(raw)["message"] == "colocated says 503"
+
+
+def test_a_request_the_decode_would_refuse_costs_no_prefill(harness):
+    p, d = harness.backend("prefill"), harness.backend("decode")
+    url = harness.proxy([p], [d])
+    for body, param in ((dict(PROMPT_BODY, stream="yes"), "stream"),
+                        (dict(PROMPT_BODY, stream_options={"include_usage": True}), "stream_options"),
+                        (dict(PROMPT_BODY, max_tokens=-1), "max_tokens")):
+        status, _, raw = post_raw(url, "/v1/completions", body)
+        assert status == 400 and error_of(raw)["param"] == param
+    assert p.received == [] and d.received == []
+
+
+def test_aiohttp_errors_of_the_proxy_are_openai_json(harness):
+    url = harness.proxy(colocated=[harness.backend("colocated")])
+    import urllib.request
+    for method, path, status in (("PUT", "/v1/completions", 405), ("POST", "/v1/kv/release", 404)):
+        request = urllib.request.Request(url + path, data=b"{}", method=method)
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=5)
+        assert caught.value.code == status and json.loads(caught.value.read())["error"]["code"] == status
 
 
 def test_a_body_over_the_limit_or_not_json_is_refused_in_json(harness):

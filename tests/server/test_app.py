@@ -228,7 +228,7 @@ async def _post(url: str, path: str, body, headers=None) -> tuple[int, dict]:
     ("/v1/completions", {"prompt": list(range(60)), "max_tokens": 5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "top_p": 0}, 400, "top_p"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 70}]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 70}]}, 400, "messages"),
 ])
 def test_bad_requests_get_openai_errors(path, body, status, param):
     engine = tiny_engine()

@@ -345,3 +345,66 @@ def test_tokenize_and_detokenize_as_vllm_serves_them():
     assert s2 == 200 and a2["tokens"] == TOKENIZER(chat_text, add_special_tokens=False).input_ids
     assert s3 == 200 and a3["prompt"] == "hello world"
     assert s4 == 400 and a4["error"]["param"] == "tokens"
+
+
+# ----------------------------------------------------------------------------- found by the hostile client
+
+def test_a_prefill_for_a_remote_decode_checks_the_clients_max_tokens_then_makes_one_token():
+    """The router passes the client's max_tokens to P: what D would refuse is refused before the prefill."""
+    engine = engine_with()   # max_model_len 64
+    router = {ROUTER_KEY_HEADER: ROUTER_KEY}
+
+    async def main():
+        async with serving(engine, router_key=ROUTER_KEY) as url:
+            params = {"do_remote_decode": True}
+            too_long = await post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 500,
+                                                           "kv_transfer_params": params}, router)
+            fits = await post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 20,
+                                                       "kv_transfer_params": params}, router)
+            return too_long, fits
+
+    (s1, a1, _), (s2, _, _) = run(main())
+    assert s1 == 400 and a1["error"]["param"] == "max_tokens"
+    assert s2 == 200 and [c.params.max_tokens for c in engine.calls] == [1]
+
+
+def test_tokenize_and_detokenize_check_ids_and_the_model_field():
+    engine = engine_with(vocab_size=50)
+
+    async def main():
+        async with serving(engine) as url:
+            return [await post(url, "/detokenize", {"tokens": [1], "model": {"a": 1}}),
+                    await post(url, "/tokenize", {"prompt": [99999999]}),
+                    await post(url, "/tokenize", {"prompt": [1] * 65})]
+
+    (s1, a1, _), (s2, a2, _), (s3, a3, _) = run(main())
+    assert s1 == 400 and a1["error"]["param"] == "model" and "{" not in a1["error"]["message"]
+    assert s2 == 400 and a2["error"]["param"] == "prompt" and s3 == 400
+
+
+def test_the_bearer_scheme_is_case_insensitive():
+    engine = engine_with()
+
+    async def main():
+        async with serving(engine, api_key="sekret") as url:
+            return await post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 1},
+                              {"Authorization": "bearer sekret"})
+
+    assert run(main())[0] == 200
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(monkeypatch):
+    monkeypatch.setattr(app_module, "IDLE_CONNECTION_TIMEOUT_S", 0.5)
+    engine = engine_with()
+
+    async def main():
+        async with serving(engine) as url:
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")   # and never the blank line
+            await writer.drain()
+            data = await asyncio.wait_for(reader.read(), 5)   # b"" once the server closes it
+            writer.close()
+            return data
+
+    assert run(main()) == b""
