@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from tests.e2e.cluster import serve, wait_until
+from tests.e2e.cluster import ROUTER_KEY, serve, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,9 @@ def test_disconnect_frees_the_blocks(server):
      "remote_port": 1, "remote_block_ids": [1], "num_remote_tokens": "5"},
 ])
 def test_malformed_kv_transfer_params_are_a_400_and_the_engine_survives(server, client, params):
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.PermissionDeniedError):   # from a client, even well-formed ones are refused
         client.completions.create(model="default", prompt="hi", max_tokens=2, extra_body={"kv_transfer_params": params})
+    with pytest.raises(openai.BadRequestError):   # from the router: checked before they reach the engine
+        client.completions.create(model="default", prompt="hi", max_tokens=2, extra_body={"kv_transfer_params": params},
+                                  extra_headers={"X-PDServe-Router-Key": ROUTER_KEY})
     assert client.completions.create(model="default", prompt="hi", max_tokens=2).usage.completion_tokens == 2
