@@ -1,18 +1,16 @@
 """The handoff lifecycle: P's LeaseHolder and D's Loader, one record per request, one state each.
 
-Every transport (nixl.py, cuda_ipc.py) and, later, every direction (pull now; push and store reuse the
-same records: a grant P holds for a reader, a load D waits on) runs its requests through these two
-objects. A request's fate is its record's state, never which containers hold its id; each side has
-one step() that advances states and frees what a terminal state releases; every state that waits
-on a peer has a deadline.
+Every transport (nixl.py, cuda_ipc.py) and, later, every direction (push and store reuse the records:
+a grant P holds for a reader, a load D waits on) runs its requests through these two objects. A
+request's fate is its record's state; each side has one step() that advances states and frees what a
+terminal state releases; every state that waits on a peer has a deadline.
 
 On P (producer), per request (a Grant):
   1. hold(request_id, block_ids): HELD, deadline = now + lease_seconds
-  2. a claim from a D (side channel: P's request id, the block ids it will read, P's boot nonce)
-     answers "held" and makes it CLAIMED (deadline extended) only when the boot nonce is this boot's,
-     the grant is live and not claimed by another load, and the block ids are among the granted
-     ones; otherwise "stale_boot", "mismatch", "claimed", or the fate of an ended grant ("read",
-     "released", "expired"; remembered for one lease period) or "unknown" (never held here, or its
+  2. a claim from a D (P's request id, the block ids it will read, P's boot nonce) answers "held" and
+     makes it CLAIMED (deadline extended) only for this boot's nonce, a live grant no other load
+     claimed, and granted block ids; else "stale_boot", "claimed", "mismatch", an ended grant's fate
+     ("read", "released", "expired"; kept one lease period) or "unknown" (never held, or its
      SendSpec is still on the way: D asks again until its claim deadline)
   3. heartbeats extend live grants; the reply names the ids that are expired or unknown here
   4. terminal: READ (the transport's notification or a "done" message), RELEASED (a release from
@@ -22,37 +20,34 @@ On P (producer), per request (a Grant):
 
 On D (consumer), per request (a Load):
   0. QUEUED: a KeepAliveSpec (the request waits in D's scheduler): heartbeats extend P's lease; a
-     release (finished, aborted or covered by D's prefix cache first) sends P a release and forgets it
+     release (finished, aborted or covered by D's prefix cache first) tells P and forgets it
   1. a RecvSpec: HANDSHAKING while the connection to P's (engine id, boot nonce) is made, once per
-     P boot, deadline = now + the side-channel deadline; a reply naming another boot fails it at once
+     P boot, deadline = now + one side-channel exchange; a reply naming another boot fails it at once
   2. CLAIMING: one claim per P per step for every load ready to claim, deadline as above
-  3. READING: after "held", the READ is posted (one descriptor per coalesced run); the lease is known
-     good until the claim's (or the last acknowledged heartbeat's) send time + lease_seconds. The READ
-     lasts while that holds (P alive and holding; its steps may be long) and at most
-     read_timeout_seconds (default max(60 s, 2 leases)); a READ that ends after the lease is invalid
-  4. DONE: finished_recving (+ bytes, descriptors, seconds) and, for transports without their own
-     notification, a "done" to P; FAILED: finished_recving + its blocks in the load errors + an
-     error naming the fate; CANCELLED (an abort before the READ): finished_recving, release to P
-  5. a READ past its deadline is aborted (the transport's release); when the transport cannot abort
-     it, the load is QUARANTINED: counted, P released, and reported (its blocks given back to D's
-     pool) only once the transport says it finished or let it go, never while it may still write
-Peers: D's connection to P is keyed by (engine id, boot nonce); a new boot of the same engine
-replaces the old one, and connections idle for PEER_IDLE_S or whose P failed are dropped.
-Threads: D's side-channel work runs on one thread per P address (a P that never answers holds up
-only its own requests, and messages to one P keep their order: a claim before its release), each
-exchange under one deadline (min(5 s, lease / 2)), at most one heartbeat in flight per P; replies
-come back to the engine thread as events. P's grants are touched by the side-channel server threads
-under the holder's lock.
+  3. READING: after "held", the READ is posted (one descriptor per coalesced run). P's lease is good
+     until the claim's (or the last acknowledged heartbeat's) send time + lease_seconds; the READ
+     lasts while it is, at most read_timeout_seconds (default max(60 s, 2 leases)), and a READ that
+     ends after the lease is invalid
+  4. DONE: finished_recving and, for transports without their own notification, a "done" to P;
+     FAILED: finished_recving + its blocks and an error naming the fate (pull_worker_common);
+     CANCELLED (an abort before the READ): finished_recving, release to P
+  5. a READ past its deadline is aborted (the transport's release); if the transport cannot abort it,
+     the load is QUARANTINED: counted, P released, and reported (its blocks back to D's pool) only
+     once the transport says it finished or let it go, never while it may still write
+Peers: D's connection to P is keyed by (engine id, boot nonce); a new boot of the same engine replaces
+the old one; connections idle for PEER_IDLE_S, or whose P failed, are dropped. Threads: D's side-channel
+exchanges run on side_channel.PeerClient lanes, one per P address, each under one deadline (min(5 s,
+lease / 2)), at most one heartbeat in flight per P; replies come back to the engine thread as events.
+P's grants are touched by the side-channel server threads under the holder's lock.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
@@ -67,29 +62,6 @@ CLAIM_RETRY_S = 0.005       # "unknown" (P's SendSpec may still be on the way): 
 PEER_IDLE_S = 60.0          # a connection to P unused this long is dropped
 MAX_ENDED = 1 << 16         # P: ended grants remembered for claims and heartbeats (one lease period)
 MAX_EARLY = 1 << 12         # P: done/release notices for ids not held (yet), from the network
-LOAD_ERROR_TTL_S = 60.0
-TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-def side_channel_timeout(config: KVTransferConfig) -> float:
-    return min(MAX_SIDE_CHANNEL_S, config.lease_seconds / 2)
-
-
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...] = TRANSFER_SECONDS_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * len(TRANSFER_SECONDS_BUCKETS))
-    sum: float = 0.0
-    count: int = 0
-
-    def observe(self, value: float) -> None:
-        for i in range(bisect.bisect_left(self.buckets, value), len(self.buckets)):
-            self.counts[i] += 1  # cumulative, as Prometheus wants
-        self.sum += value
-        self.count += 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum, "count": self.count}
 
 
 # ---- P: the lease holder ---------------------------------------------------------------------------
@@ -119,9 +91,7 @@ class LeaseHolder:
     releases under self._lock; step() (engine thread) expires and reports."""
 
     def __init__(self, config: KVTransferConfig, boot_id: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self.lease_s = config.lease_seconds
-        self.boot_id = boot_id
-        self.clock = clock
+        self.lease_s, self.boot_id, self.clock = config.lease_seconds, boot_id, clock
         self._lock = threading.Lock()
         self._grants: dict[str, Grant] = {}
         self._ended: OrderedDict[str, tuple[GrantState, float]] = OrderedDict()  # fate, when (one lease)
@@ -129,12 +99,10 @@ class LeaseHolder:
         self.num_expirations = 0
 
     def hold(self, request_id: str, block_ids: list[int]) -> None:
-        with self._lock:
-            grant = Grant(request_id, list(block_ids), self.clock() + self.lease_s)
+        with self._lock:  # a done or release that came first ends it at once
             early = self._early.pop(request_id, None)
-            if early is not None:
-                grant.state = early[0]
-            self._grants[request_id] = grant
+            self._grants[request_id] = Grant(request_id, list(block_ids), self.clock() + self.lease_s,
+                                             early[0] if early is not None else GrantState.HELD)
 
     def end(self, request_ids: list[str], state: GrantState) -> None:
         """A done (READ) or a release (RELEASED): free at the next step."""
@@ -142,10 +110,9 @@ class LeaseHolder:
         with self._lock:
             for request_id in request_ids:
                 grant = self._grants.get(request_id)
-                if grant is not None:
-                    if grant.state in _LIVE:
-                        grant.state = state
-                elif request_id not in self._ended:  # its SendSpec may still be on the way
+                if grant is not None and grant.state in _LIVE:
+                    grant.state = state
+                elif grant is None and request_id not in self._ended:  # its SendSpec may still be on the way
                     self._early[request_id] = (state, now)
                     self._early.move_to_end(request_id)
                     self._forget_old(self._early, now, MAX_EARLY)
@@ -179,18 +146,14 @@ class LeaseHolder:
 
     # side-channel threads
     def on_claim(self, message: dict[str, Any]) -> dict[str, Any]:
-        claims, d_engine_id = message.get("claims"), str(message.get("engine_id"))
-        if not isinstance(claims, list):
-            raise ValueError("claim: expected a list of claims")
-        results: dict[str, str] = {}
-        now = self.clock()
+        results, now = {}, self.clock()
         with self._lock:
-            for claim in claims:
+            for claim in message["claims"]:
                 request_id, block_ids = claim["request_id"], claim["block_ids"]
                 if not isinstance(request_id, str) or not isinstance(block_ids, list):
                     raise ValueError("claim: request_id must be a string, block_ids a list")
-                results[request_id] = self._claim(request_id, block_ids, (d_engine_id, str(claim.get("claimant"))),
-                                                  message.get("boot_id"), now)
+                claimant = (str(message.get("engine_id")), str(claim.get("claimant")))
+                results[request_id] = self._claim(request_id, block_ids, claimant, message.get("boot_id"), now)
         return {"ok": True, "boot_id": self.boot_id, "results": results}
 
     def _claim(self, request_id: str, block_ids: list, claimant: tuple[str, str], boot_id: Any, now: float) -> str:
@@ -212,28 +175,24 @@ class LeaseHolder:
 
     def on_heartbeat(self, message: dict[str, Any]) -> dict[str, Any]:
         request_ids = message.get("remote_request_ids") or []
-        if message.get("boot_id", self.boot_id) != self.boot_id:  # all of them are another boot's
-            return {"ok": True, "boot_id": self.boot_id, "num_extended": 0, "expired": [],
-                    "unknown": list(request_ids)}
         deadline = self.clock() + self.lease_s
         num_extended, expired, unknown = 0, [], []
+        is_ours = message.get("boot_id") in (None, self.boot_id)  # else all of them are another boot's
         with self._lock:
-            for request_id in request_ids:
+            for request_id in request_ids if is_ours else ():
                 grant = self._grants.get(request_id)
                 if grant is not None and grant.state in _LIVE:
                     grant.deadline = max(grant.deadline, deadline)
                     num_extended += 1
-                elif request_id in self._ended or grant is not None:
-                    fate = grant.state if grant is not None else self._ended[request_id][0]
-                    if fate != GrantState.READ:  # read: the READ is done, its reader may not know yet
+                else:  # ended (READ: done, its reader may not know yet), or unknown (maybe not arrived yet)
+                    fate = grant.state if grant is not None else self._ended.get(request_id, (None,))[0]
+                    if fate != GrantState.READ:
                         (expired if fate == GrantState.EXPIRED else unknown).append(request_id)
-                else:
-                    unknown.append(request_id)  # (or not arrived yet)
         return {"ok": True, "boot_id": self.boot_id, "num_extended": num_extended, "expired": expired,
-                "unknown": unknown}
+                "unknown": unknown if is_ours else list(request_ids)}
 
     def on_end(self, message: dict[str, Any], state: GrantState) -> dict[str, Any]:
-        if message.get("boot_id", self.boot_id) == self.boot_id:  # another boot's: nothing of ours
+        if message.get("boot_id") in (None, self.boot_id):  # another boot's: nothing of ours
             self.end([r for r in message.get("remote_request_ids") or [] if isinstance(r, str)], state)
         return {"ok": True}
 
@@ -258,6 +217,9 @@ class LoadState(Enum):
     CANCELLED = "cancelled"
 
 
+_BUSY = (LoadState.HANDSHAKING, LoadState.CLAIMING, LoadState.READING, LoadState.QUARANTINED)
+
+
 @dataclass
 class Load:
     spec: RecvSpec | KeepAliveSpec
@@ -267,8 +229,8 @@ class Load:
     claim_at: float = 0.0              # CLAIMING: when the next claim may go
     is_claim_in_flight: bool = False
     lease_until: float = 0.0           # P's lease known good until then (a confirmation's send time + lease)
-    is_cancelled: bool = False         # an abort while READING: reported when the READ ends
     is_lost: bool = False              # P no longer holds it (a heartbeat's reply): stop heartbeating
+    error: str = ""                    # QUARANTINED: why it failed
     posted_at: float = 0.0
     num_bytes: int = 0
     num_descriptors: int = 0
@@ -295,23 +257,18 @@ class Loader:
     the side-channel clients hand replies back through self._events."""
 
     def __init__(self, transport: Any, config: KVTransferConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.t = transport  # hooks: _connect, _post, _check, _release, _disconnect, _send_done, _parse_handshake
-        self.config, self.clock = config, clock
-        self.timeout = side_channel_timeout(config)
-        # A READ lasts while P confirms the lease (P's steps may be long: a READ may need them to
-        # progress), at most this long.
+        self.t, self.config, self.clock = transport, config, clock  # t: pull_worker_common's hooks
+        self.timeout = min(MAX_SIDE_CHANNEL_S, config.lease_seconds / 2)  # one side-channel exchange
+        # A READ lasts while P confirms the lease (a READ may need P's steps, which may be long), at most:
         self.read_timeout = float(config.extra.get("read_timeout_seconds", max(60.0, 2 * config.lease_seconds)))
         self.loads: dict[str, Load] = {}
         self.peers: dict[tuple[str, str | None], Peer] = {}
-        self.clients: dict[tuple[str, int], side_channel.PeerClient] = {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self.clients = side_channel.PeerClients(config.auth_key, self.timeout, self._events, clock)
         self._finished: set[str] = set()
-        self._error_blocks: set[int] = set()
-        self._load_errors: dict[str, tuple[str, float]] = {}
         self._done_to_send: dict[tuple[str, str | None], list[str]] = {}
         self._next_heartbeat = self._next_sweep = 0.0
-        self.num_bytes = self.num_descriptors = self.num_failures = self.num_quarantined = 0
-        self.transfer_seconds = Histogram()
+        self.num_failures = self.num_quarantined = 0
 
     # ---- the scheduler's meta (start_load_kv) ----
     def apply(self, meta: PullConnectorMeta) -> None:
@@ -322,8 +279,7 @@ class Loader:
                 self.loads[keep.request_id] = Load(keep, LoadState.QUEUED)
         for keep in meta.reqs_to_release:  # after the keep-alives: one added and released in one step ends
             self._send_release(keep)
-            load = self.loads.get(keep.request_id)
-            if load is not None and load.state == LoadState.QUEUED and load.spec == keep:
+            if getattr(self.loads.get(keep.request_id), "spec", None) == keep:  # (only a QUEUED one's spec is)
                 del self.loads[keep.request_id]
         for spec in meta.reqs_to_recv:
             self._add(spec, now)
@@ -335,13 +291,11 @@ class Loader:
     def _add(self, spec: RecvSpec, now: float) -> None:
         load = self.loads[spec.request_id] = Load(spec, LoadState.HANDSHAKING)
         if not spec.local_block_ids:  # nothing to read: let P free its blocks
-            self._end(load, LoadState.DONE, release=True)
-            return
+            return self._end(load, LoadState.DONE, release=True)
         peer = self._peer(spec, now)
         if peer.remote is not None:
-            self._to_claim(load, now)
-        else:
-            load.deadline = peer.deadline
+            return self._to_claim(load, now)
+        load.deadline = peer.deadline
 
     def _cancel(self, request_id: str) -> None:
         load = self.loads.get(request_id)
@@ -349,8 +303,7 @@ class Loader:
             self._finished.add(request_id)
         elif load.state in (LoadState.HANDSHAKING, LoadState.CLAIMING):  # nothing writes its blocks yet
             self._end(load, LoadState.CANCELLED, release=True)
-        else:  # READING / QUARANTINED: it may still write into its blocks; reported when it ends
-            load.is_cancelled = True
+        # else READING / QUARANTINED: it may still write into its blocks; reported when it ends
 
     # ---- each step (get_finished) ----
     def step(self) -> set[str]:
@@ -363,12 +316,12 @@ class Loader:
             self._send_claims(now)
             if now >= self._next_heartbeat:
                 self._heartbeat(now)
-        for key, request_ids in self._done_to_send.items():  # one notice per P per step
-            peer = self.peers.get(key)
-            if peer is not None:
-                self.t._send_done(peer, request_ids)
-        self._done_to_send = {}
-        if self.peers or self.clients or self._load_errors:
+        if self._done_to_send:  # one notice per P per step
+            for key, request_ids in self._done_to_send.items():
+                if (peer := self.peers.get(key)) is not None:
+                    self.t._send_done(peer, request_ids)
+            self._done_to_send = {}
+        if self.peers or self.clients:
             self._sweep()
         finished, self._finished = self._finished, set()
         return finished
@@ -399,7 +352,7 @@ class Loader:
         logger.warning("READ of %s from %s: %s; aborting it", load.spec.request_id, load.spec.remote_engine_id, error)
         self.num_failures += 1
         self._send_release(load.spec)
-        self._load_errors[load.spec.request_id] = (self._error(load, error), self.clock())
+        load.error = error
         if self._release_handle(load, log=True):
             self._report_quarantined(load)
         else:
@@ -407,42 +360,35 @@ class Loader:
             load.state = LoadState.QUARANTINED
 
     def _report_quarantined(self, load: Load) -> None:
-        self._error_blocks.update(load.spec.local_block_ids)
+        self.t._load_failed(load, load.error, load.spec.local_block_ids)
         self._forget(load)
 
     def _release_handle(self, load: Load, log: bool) -> bool:
         try:
             self.t._release(load.handle)
-            load.handle = None
-            return True
         except Exception as e:  # still active and the transport cannot abort it
             if log:
                 logger.warning("READ of %s: handle not released: %s", load.spec.request_id, e)
             return False
+        load.handle = None
+        return True
 
     def _complete(self, load: Load, state: str) -> None:
-        if load.state == LoadState.QUARANTINED:  # it stopped writing: the blocks may go back now
-            self._release_handle(load, log=True)
-            self._report_quarantined(load)
-            return
-        spec = load.spec
         self._release_handle(load, log=True)
+        if load.state == LoadState.QUARANTINED:  # it stopped writing: the blocks may go back now
+            return self._report_quarantined(load)
+        spec = load.spec
         if state == "DONE":
-            self.num_bytes += load.num_bytes
-            self.num_descriptors += load.num_descriptors
-            self.transfer_seconds.observe(self.clock() - load.posted_at)
+            self.t._count_read(load, self.clock() - load.posted_at)
             if self.t.notifies_done:
                 self._done_to_send.setdefault((spec.remote_engine_id, spec.remote_boot_id), []).append(
                     spec.remote_request_id)
-        else:
-            self._peer_failed(spec)
-        invalid = self.t._invalid_blocks(load, state)
+        elif (peer := self.peers.get((spec.remote_engine_id, spec.remote_boot_id))) is not None:
+            peer.is_failed = True  # dropped once no READ uses it; the next load handshakes again
         lost = state == "DONE" and self.clock() > load.lease_until  # P may have freed them under the READ
-        if lost:
-            invalid = list(spec.local_block_ids)
+        invalid = list(spec.local_block_ids) if lost else self.t._invalid_blocks(load, state)
         if not invalid:
-            self._end(load, LoadState.DONE)
-            return
+            return self._end(load, LoadState.DONE)
         cause = ("transfer error" if state != "DONE" else "the prefill instance's lease on this request's KV "
                  "ran out during the read" if lost else f"injected {self.t._inject_read_failure}")
         self._fail(load, f"{len(invalid)} of {len(spec.local_block_ids)} blocks invalid ({cause})", invalid,
@@ -450,15 +396,8 @@ class Loader:
 
     def _fail(self, load: Load, error: str, invalid: list[int] | None, release: bool = True) -> None:
         self.num_failures += 1
-        self._error_blocks.update(load.spec.local_block_ids if invalid is None else invalid)
-        self._load_errors[load.spec.request_id] = (self._error(load, error), self.clock())
+        self.t._load_failed(load, error, load.spec.local_block_ids if invalid is None else invalid)
         self._end(load, LoadState.FAILED, release=release)
-
-    @staticmethod
-    def _error(load: Load, error: str) -> str:
-        if "remote engine" in error:  # the handshake's errors name the engine already
-            return error
-        return f"KV load from remote engine {load.spec.remote_engine_id} failed: {error}"
 
     def _end(self, load: Load, state: LoadState, release: bool = False) -> None:
         """The one way out: a terminal state reports the load and forgets it."""
@@ -467,7 +406,7 @@ class Loader:
             self._send_release(load.spec)
         self._forget(load)
 
-    def _forget(self, load: Load) -> None:
+    def _forget(self, load: Load) -> None:  # (a QUARANTINED load's failure was counted and P released before)
         if self.loads.get(load.spec.request_id) is load:
             del self.loads[load.spec.request_id]
         if load.is_reported:
@@ -477,15 +416,17 @@ class Loader:
     def _peer(self, spec: RecvSpec, now: float) -> Peer:
         key = (spec.remote_engine_id, spec.remote_boot_id)
         peer = self.peers.get(key)
-        if peer is not None and not peer.is_failed:
+        if peer is not None and peer.is_failed and not self._loads_of(peer, *_BUSY):
+            self._drop_peer(peer)  # its P failed a READ and nothing uses it: handshake again
+        elif peer is not None:
             peer.last_used = now
             return peer
         peer = self.peers[key] = Peer(spec.remote_engine_id, spec.remote_boot_id,
                                       (spec.remote_host, spec.remote_port), now + self.timeout, last_used=now)
-        self._client(peer.address).send(
+        self.clients.get(peer.address).send(
             {"type": "handshake", "engine_id": self.t.engine_id, "compat_hash": self.t.compat_hash},
             on_reply=lambda reply, blob, sent_at: self._on_handshake(peer, reply, blob),
-            on_error=lambda cause: self._fail_peer(peer, cause if "remote engine" in cause else
+            on_error=lambda cause: self._drop_peer(peer, cause if "remote engine" in cause else  # (logged already)
                                                    f"handshake with remote engine {peer.engine_id} failed: {cause}"),
             accept_refusal=True)
         return peer
@@ -501,32 +442,20 @@ class Loader:
                 self._drop_peer(old)
         self.t._connect(remote)
         peer.remote = remote
-        now = self.clock()
         for load in self._loads_of(peer, LoadState.HANDSHAKING):
-            self._to_claim(load, now)
+            self._to_claim(load, self.clock())
 
     def _loads_of(self, peer: Peer, *states: LoadState) -> list[Load]:
         return [load for load in self.loads.values() if load.is_reported and load.state in states
                 and (load.spec.remote_engine_id, load.spec.remote_boot_id) == (peer.engine_id, peer.boot_id)]
 
-    def _fail_peer(self, peer: Peer, error: str) -> None:
-        waiting = self._loads_of(peer, LoadState.HANDSHAKING)
-        logger.warning("%s; failing %d request(s)", error, len(waiting))
-        self._drop_peer(peer)
-        for load in waiting:
-            self._fail(load, error, None)
-
-    def _peer_failed(self, spec: RecvSpec) -> None:
-        peer = self.peers.get((spec.remote_engine_id, spec.remote_boot_id))
-        if peer is not None:
-            peer.is_failed = True  # dropped once no READ uses it; the next load handshakes again
-
-    def _drop_peer(self, peer: Peer) -> None:
-        for load in self._loads_of(peer, LoadState.READING, LoadState.CLAIMING):
+    def _drop_peer(self, peer: Peer, error: str = "the prefill instance restarted since it computed this "
+                   "request's KV") -> None:
+        for load in self._loads_of(peer, LoadState.HANDSHAKING, LoadState.CLAIMING, LoadState.READING):
             if load.state == LoadState.READING:
                 self._abort(load, self.clock())
             else:
-                self._fail(load, "the prefill instance restarted since it computed this request's KV", None)
+                self._fail(load, error, None)
         if self.peers.get((peer.engine_id, peer.boot_id)) is peer:
             del self.peers[(peer.engine_id, peer.boot_id)]
         if peer.remote is not None:
@@ -536,31 +465,17 @@ class Loader:
                 logger.warning("disconnecting from remote engine %s failed: %s", peer.engine_id, e)
             peer.remote = None
 
-    def _client(self, address: tuple[str, int]) -> side_channel.PeerClient:
-        client = self.clients.get(address)
-        if client is None:
-            client = self.clients[address] = side_channel.PeerClient(address, self.config.auth_key, self.timeout, self._events,
-                                                    self.clock)
-        return client
-
     def _sweep(self) -> None:
         now = self.clock()
         if now < self._next_sweep:
             return
         self._next_sweep = now + 1.0
         for peer in list(self.peers.values()):
-            in_use = self._loads_of(peer, LoadState.HANDSHAKING, LoadState.CLAIMING, LoadState.READING,
-                                    LoadState.QUARANTINED)
-            if not in_use and (peer.is_failed or (peer.remote is None and now > peer.deadline)
+            if not self._loads_of(peer, *_BUSY) and (peer.is_failed or (peer.remote is None and now > peer.deadline)
                                or now - peer.last_used > PEER_IDLE_S):
                 self._drop_peer(peer)
-        addresses = {(load.spec.remote_host, load.spec.remote_port) for load in self.loads.values()}
-        for address, client in list(self.clients.items()):
-            if address not in addresses and not client.num_pending and now - client.last_used > PEER_IDLE_S:
-                client.close()
-                del self.clients[address]
-        expired = now - LOAD_ERROR_TTL_S  # errors no client asked for (get_load_error) go after a while
-        self._load_errors = {r: e for r, e in self._load_errors.items() if e[1] > expired}
+        self.clients.sweep({(load.spec.remote_host, load.spec.remote_port) for load in self.loads.values()},
+                           PEER_IDLE_S)
 
     # ---- claims, heartbeats, releases ----
     def _to_claim(self, load: Load, now: float) -> None:
@@ -575,11 +490,11 @@ class Loader:
             peer = self.peers[key]
             for load in loads:
                 load.is_claim_in_flight = True
-            self._client(peer.address).send(
+            self.clients.get(peer.address).send(  # the loads' claim deadlines bound the wait
                 {"type": "claim", "engine_id": self.t.engine_id, "boot_id": peer.boot_id,
                  "claims": [{"request_id": load.spec.remote_request_id, "block_ids": load.spec.remote_block_ids,
                              "claimant": load.spec.request_id} for load in loads]},
-                on_reply=lambda reply, blob, sent_at, peer=peer, loads=loads: self._on_claim(peer, loads, reply, sent_at),
+                on_reply=lambda reply, _, sent_at, peer=peer, loads=loads: self._on_claim(peer, loads, reply, sent_at),
                 on_error=lambda cause, loads=loads: [self._fail(load, f"the claim on its KV failed: {cause}", None)
                                                      for load in loads if self.loads.get(load.spec.request_id) is load])
 
@@ -593,8 +508,7 @@ class Loader:
     }
 
     def _on_claim(self, peer: Peer, loads: list[Load], reply: dict[str, Any], sent_at: float) -> None:
-        results = reply["results"]
-        now = self.clock()
+        results, now = reply["results"], self.clock()
         for load in loads:
             load.is_claim_in_flight = False
             if self.loads.get(load.spec.request_id) is not load or load.state != LoadState.CLAIMING:
@@ -614,12 +528,10 @@ class Loader:
         try:
             handle, state, load.num_descriptors, load.num_bytes = self.t._post_read(load, peer.remote)
         except ValueError as e:  # the block ids do not fit (nothing posted)
-            self._fail(load, str(e), None)
-            return
+            return self._fail(load, str(e), None)
         except Exception as e:
             logger.warning("request %s: posting the READ from %s failed: %s", load.spec.request_id, peer.engine_id, e)
-            self._fail(load, "the transfer could not be posted", None)
-            return
+            return self._fail(load, "the transfer could not be posted", None)
         load.state, load.handle = LoadState.READING, handle
         if state != "PROC":
             self._complete(load, state)
@@ -629,22 +541,19 @@ class Loader:
         groups: dict[tuple[str, int, str | None], list[Load]] = {}
         for load in self.loads.values():  # waiting for blocks here, a handshake, a claim, or reading
             if not load.is_lost and load.state != LoadState.QUARANTINED:
-                spec = load.spec
-                groups.setdefault((spec.remote_host, spec.remote_port, spec.remote_boot_id), []).append(load)
+                groups.setdefault((load.spec.remote_host, load.spec.remote_port, load.spec.remote_boot_id),
+                                  []).append(load)
         for (host, port, boot_id), loads in groups.items():
-            client = self._client((host, port))
+            client = self.clients.get((host, port))
             if client.num_heartbeats_pending:  # the last one has not come back: skip, never queue up
                 continue
-            message = {"type": "heartbeat", "engine_id": self.t.engine_id,
+            message = {"type": "heartbeat", "engine_id": self.t.engine_id, "boot_id": boot_id,
                        "remote_request_ids": [load.spec.remote_request_id for load in loads]}
-            if boot_id is not None:
-                message["boot_id"] = boot_id
-            client.send(message, on_reply=lambda reply, blob, sent_at, loads=loads: self._on_heartbeat(
-                loads, reply, sent_at))
+            client.send(message, on_reply=lambda reply, _, at, batch=loads: self._on_heartbeat(batch, reply, at))
 
     def _on_heartbeat(self, loads: list[Load], reply: dict[str, Any], sent_at: float) -> None:
-        gone = set(reply.get("expired") or []) | set(reply.get("unknown") or [])
         expired = set(reply.get("expired") or [])
+        gone = expired | set(reply.get("unknown") or [])
         for load in loads:
             if self.loads.get(load.spec.request_id) is not load:
                 continue  # ended meanwhile: a late reply leaves nothing behind
@@ -656,16 +565,14 @@ class Loader:
                 load.is_lost, load.lease_until, load.deadline = True, 0.0, 0.0
 
     def _send_release(self, spec: RecvSpec | KeepAliveSpec) -> None:
-        message = {"type": "release", "engine_id": self.t.engine_id, "remote_request_ids": [spec.remote_request_id]}
-        if spec.remote_boot_id is not None:
-            message["boot_id"] = spec.remote_boot_id
-        self._client((spec.remote_host, spec.remote_port)).send(message, on_reply=lambda *_: None)
+        self._notify("release", (spec.remote_host, spec.remote_port), spec.remote_boot_id, [spec.remote_request_id])
 
     def send_done(self, peer: Peer, request_ids: list[str]) -> None:
-        message = {"type": "done", "engine_id": self.t.engine_id, "remote_request_ids": request_ids}
-        if peer.boot_id is not None:
-            message["boot_id"] = peer.boot_id
-        self._client(peer.address).send(message, on_reply=lambda *_: None)
+        self._notify("done", peer.address, peer.boot_id, request_ids)
+
+    def _notify(self, kind: str, address: tuple[str, int], boot_id: str | None, request_ids: list[str]) -> None:
+        self.clients.get(address).send({"type": kind, "engine_id": self.t.engine_id, "boot_id": boot_id,
+                                    "remote_request_ids": request_ids}, on_reply=lambda *_: None)
 
     def _apply_event(self, event: tuple) -> None:
         client, message, handler, on_error, args = event
@@ -680,25 +587,13 @@ class Loader:
             if on_error is not None:
                 on_error(str(e) if isinstance(e, RuntimeError) else f"a malformed reply ({type(e).__name__})")
 
-    # ---- what the worker half reports ----
-    def take_error_blocks(self) -> set[int]:
-        error_blocks, self._error_blocks = self._error_blocks, set()
-        return error_blocks
-
-    def take_load_error(self, request_id: str) -> str | None:
-        error = self._load_errors.pop(request_id, None)
-        return error[0] if error is not None else None
-
     def num_pending(self) -> int:
         return sum(load.is_reported for load in self.loads.values()) + len(self._finished)
 
     def shutdown(self) -> None:
-        for client in self.clients.values():
-            client.close()
-        self.clients.clear()
-        for load in self.loads.values():
-            if load.handle is not None:
-                self._release_handle(load, log=True)
-        self.loads.clear()
+        self.clients.close()
+        for load in [load for load in self.loads.values() if load.handle is not None]:
+            self._release_handle(load, log=True)
+        self.loads = {}
         for peer in list(self.peers.values()):
             self._drop_peer(peer)

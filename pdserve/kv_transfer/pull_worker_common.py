@@ -24,11 +24,13 @@ invalid). It is read in one place: _invalid_blocks.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,9 @@ from pdserve.kv_transfer.pull import PullConnectorMeta
 logger = logging.getLogger(__name__)
 
 INJECT_READ_FAILURE_MODES = (None, "all", "last_block")
+LOAD_ERROR_TTL_S = 60.0  # a load error no client asked for (get_load_error) is dropped after this
+# kv_transfer_seconds upper bounds (the +Inf bucket is `count`)
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 __all__ = ["PullConnectorWorker", "Load", "Region", "RemoteEngine", "Peer", "coalesce", "compat_hash"]
 
 
@@ -92,6 +97,23 @@ class RemoteEngine:
     conn: Any = None        # what the transport's _connect made of them
 
 
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = TRANSFER_SECONDS_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * len(TRANSFER_SECONDS_BUCKETS))
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        for i in range(bisect.bisect_left(self.buckets, value), len(self.buckets)):
+            self.counts[i] += 1  # cumulative, as Prometheus wants
+        self.sum += value
+        self.count += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum, "count": self.count}
+
+
 def check_inject_read_failure(config: KVTransferConfig) -> None:
     mode = config.extra.get("inject_read_failure")
     if mode not in INJECT_READ_FAILURE_MODES:
@@ -116,6 +138,10 @@ class PullConnectorWorker(KVConnectorWorker):
         self._handshake_fields: dict[str, Any] = {}
         self._handshake_blob = b""
         self._is_shut_down = False
+        self.num_bytes = self.num_descriptors = 0
+        self._error_blocks: set[int] = set()
+        self._load_errors: dict[str, tuple[str, float]] = {}  # request id → (error, when)
+        self.transfer_seconds = Histogram()
         self.holder = LeaseHolder(config, self.boot_id)
         self.loader = Loader(self, config)
         self._server = side_channel.SideChannelServer(config.side_channel_host, config.side_channel_port, {
@@ -181,16 +207,21 @@ class PullConnectorWorker(KVConnectorWorker):
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         finished_recving = self.loader.step()
+        if self._load_errors:
+            expired = time.monotonic() - LOAD_ERROR_TTL_S
+            self._load_errors = {r: e for r, e in self._load_errors.items() if e[1] > expired}
         notified = self._take_notifs() if self._region is not None else []
         return self.holder.step(notified), finished_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.loader.take_error_blocks()
+        error_blocks, self._error_blocks = self._error_blocks, set()
+        return error_blocks
 
     def get_load_error(self, request_id: str) -> str | None:
         """Why a request reported in finished_recving failed to load (None: it didn't); returns and
         forgets it. Unread errors are dropped after a while."""
-        return self.loader.take_load_error(request_id)
+        error = self._load_errors.pop(request_id, None)
+        return error[0] if error is not None else None
 
     def release_held(self, request_ids: list[str]) -> None:
         self.holder.end(request_ids, GrantState.RELEASED)
@@ -203,13 +234,13 @@ class PullConnectorWorker(KVConnectorWorker):
     def get_stats(self) -> dict[str, Any]:
         loader = self.loader
         return {
-            "kv_transfer_bytes_total": loader.num_bytes,
-            "kv_transfer_descriptors_total": loader.num_descriptors,
+            "kv_transfer_bytes_total": self.num_bytes,
+            "kv_transfer_descriptors_total": self.num_descriptors,
             "kv_transfer_failures_total": loader.num_failures,
             "kv_transfer_quarantined_total": loader.num_quarantined,
             "kv_lease_expirations_total": self.holder.num_expirations,
             "num_blocks_held_for_transfer": self.holder.num_blocks_held(),
-            "kv_transfer_seconds": loader.transfer_seconds.to_dict(),
+            "kv_transfer_seconds": self.transfer_seconds.to_dict(),
         }
 
     def shutdown(self) -> None:
@@ -271,6 +302,18 @@ class PullConnectorWorker(KVConnectorWorker):
         runs = coalesce(spec.local_block_ids, spec.remote_block_ids)
         handle, state = self._post(load, remote, runs)
         return handle, state, len(runs), len(spec.local_block_ids) * local.block_bytes
+
+    def _load_failed(self, load: Load, error: str, invalid_block_ids: list[int]) -> None:
+        """The loader reports a failed load: its blocks and the error its client will see."""
+        if "remote engine" not in error:  # (the handshake's errors name the engine already)
+            error = f"KV load from remote engine {load.spec.remote_engine_id} failed: {error}"
+        self._error_blocks.update(invalid_block_ids)
+        self._load_errors[load.spec.request_id] = (error, time.monotonic())
+
+    def _count_read(self, load: Load, seconds: float) -> None:
+        self.num_bytes += load.num_bytes
+        self.num_descriptors += load.num_descriptors
+        self.transfer_seconds.observe(seconds)
 
     def _invalid_blocks(self, load: Load, state: str) -> list[int]:
         """Local blocks a finished READ left without valid KV. The one place fault injection acts."""

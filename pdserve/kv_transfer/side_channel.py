@@ -202,8 +202,9 @@ class PeerClient:
                 event = (self, message, on_reply, on_error, (reply, blob, sent_at))
             except Exception as e:  # every error, not only OSError: none may vanish in a Future
                 logger.warning("%s to %s:%d failed: %s: %s", message["type"], *self.address, type(e).__name__, e)
-                event = (self, message, on_error, None, ("its side channel did not answer in time"
-                                                          if isinstance(e, TimeoutError) else "its side channel failed",))
+                cause = "its side channel did not answer in time" if isinstance(e, TimeoutError) else \
+                    "its side channel failed"
+                event = (self, message, on_error, None, (cause,))
             self._events.put(event)
         try:
             self._lanes[message["type"] == "heartbeat"].submit(run)
@@ -213,3 +214,34 @@ class PeerClient:
     def close(self) -> None:
         for lane in self._lanes:
             lane.shutdown(wait=False, cancel_futures=True)
+
+
+class PeerClients:
+    """One PeerClient per peer address, made on first use and closed once idle."""
+
+    def __init__(self, key: str | None, timeout: float, events: queue.SimpleQueue, clock: Callable[[], float]) -> None:
+        self._key, self._timeout, self._events, self._clock = key, timeout, events, clock
+        self._clients: dict[tuple[str, int], PeerClient] = {}
+
+    def get(self, address: tuple[str, int]) -> PeerClient:
+        if address not in self._clients:
+            self._clients[address] = PeerClient(address, self._key, self._timeout, self._events, self._clock)
+        return self._clients[address]
+
+    def sweep(self, in_use: set[tuple[str, int]], idle_s: float) -> None:
+        now = self._clock()
+        for address, client in list(self._clients.items()):
+            if address not in in_use and not client.num_pending and now - client.last_used > idle_s:
+                client.close()
+                del self._clients[address]
+
+    def values(self):
+        return self._clients.values()
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

@@ -175,6 +175,7 @@ class FakeTransport:
         self._region = Region(**REGION)
         self.state, self.can_release, self.check_raises = "PROC", True, False
         self.posted, self.connected, self.disconnected, self.done = [], [], [], []
+        self.errors, self.error_blocks = {}, set()
 
     def _parse_handshake(self, engine_id, reply, blob):
         if not reply.get("ok"):
@@ -202,6 +203,20 @@ class FakeTransport:
 
     def _send_done(self, peer, request_ids):
         self.done.extend(request_ids)
+
+    def _load_failed(self, load, error, invalid_block_ids):
+        self.errors[load.spec.request_id] = error
+        self.error_blocks.update(invalid_block_ids)
+
+    def take_load_error(self, request_id):
+        return self.errors.pop(request_id, None)
+
+    def take_error_blocks(self):
+        error_blocks, self.error_blocks = self.error_blocks, set()
+        return error_blocks
+
+    def _count_read(self, load, seconds):
+        self.num_bytes = getattr(self, "num_bytes", 0) + load.num_bytes
 
     def _invalid_blocks(self, load, state):
         return [] if state == "DONE" else list(load.spec.local_block_ids)
@@ -234,7 +249,7 @@ def step_until(loader, until, timeout=3.0):
 
 
 def loader_idle(loader):
-    assert not loader.loads and loader.num_pending() == 0
+    assert not loader.loads and loader.num_pending() == 0 and not loader.t.errors and not loader.t.error_blocks
 
 
 def state(loader, request_id):
@@ -251,7 +266,7 @@ def test_handshake_claim_read_done(d):
     assert p.holder._grants["p-req"].state == GrantState.CLAIMED
     d.t_.state = "DONE"
     assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
-    assert d.t_.done == ["p-req"] and d.num_bytes == 32 and d.take_load_error("d-req") is None
+    assert d.t_.done == ["p-req"] and d.t_.num_bytes == 32 and d.t_.take_load_error("d-req") is None
     p.holder.end(d.t_.done, GrantState.READ)  # (the fake transport's notice)
     assert p.holder.step([]) == {"p-req"}
     # a second load from the same P boot: no handshake, straight to CLAIMING
@@ -272,8 +287,8 @@ def test_handshake_without_answer_fails_at_its_deadline(d):
         d.step()
         d.clock_.now += d.timeout + 0.1
         finished = step_until(d, lambda f: "d-req" in f)
-    assert finished == {"d-req"} and d.take_error_blocks() == {1}
-    assert "handshake" in d.take_load_error("d-req")
+    assert finished == {"d-req"} and d.t_.take_error_blocks() == {1}
+    assert "handshake" in d.t_.take_load_error("d-req")
     d.clock_.now += 1.1
     d.step()
     assert not d.peers  # a P that never answered leaves no connection behind
@@ -288,7 +303,7 @@ def test_claim_unknown_is_asked_again_until_the_claim_deadline(d, monkeypatch):
     assert state(d, "d-req") == LoadState.CLAIMING
     d.clock_.now += d.timeout + 0.1
     assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
-    assert "claim" in d.take_load_error("d-req") and d.take_error_blocks() == {1}
+    assert "claim" in d.t_.take_load_error("d-req") and d.t_.take_error_blocks() == {1}
     step_until(d, lambda f: "release" in p.types())  # P may free it, had it come after all
     loader_idle(d)
 
@@ -300,7 +315,7 @@ def test_claim_refused(d, result, words):
     p = d.fake_p(claim=lambda m: {"ok": True, "results": {"p-req": result}})
     d.apply(PullConnectorMeta(reqs_to_recv=[p.spec("d-req", [1, 2], [7, 8])]))
     assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
-    assert words in d.take_load_error("d-req") and d.take_error_blocks() == {1, 2} and not d.t_.posted
+    assert words in d.t_.take_load_error("d-req") and d.t_.take_error_blocks() == {1, 2} and not d.t_.posted
     loader_idle(d)
 
 
@@ -308,7 +323,7 @@ def test_malformed_claim_reply_fails_the_load(d, caplog):
     p = d.fake_p(claim=lambda m: {"ok": True, "results": "nonsense"})
     d.apply(PullConnectorMeta(reqs_to_recv=[p.spec("d-req", [1], [7])]))
     assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
-    assert "malformed reply" in d.take_load_error("d-req")
+    assert "malformed reply" in d.t_.take_load_error("d-req") and d.t_.take_error_blocks() == {1}
     assert f"claim reply from 127.0.0.1:{p.port}" in caplog.text  # the peer goes to the log
     loader_idle(d)
 
@@ -317,7 +332,7 @@ def test_handshake_naming_another_boot_fails_at_once(d):
     p = d.fake_p(boot_id="boot-2")  # P restarted: the params name boot-1
     d.apply(PullConnectorMeta(reqs_to_recv=[p.spec("d-req", [1], [7], boot_id="boot-1")]))
     assert step_until(d, lambda f: "d-req" in f, timeout=1) == {"d-req"}
-    assert "restarted" in d.take_load_error("d-req") and not d.t_.connected
+    assert "restarted" in d.t_.take_load_error("d-req") and not d.t_.connected and d.t_.take_error_blocks() == {1}
     loader_idle(d)
 
 
@@ -343,7 +358,7 @@ def test_read_past_its_deadline_is_aborted(d):
     step_until(d, lambda f: d.t_.posted)
     d.clock_.now += d.read_timeout + 0.1
     assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
-    assert "did not finish within" in d.take_load_error("d-req") and d.take_error_blocks() == {1}
+    assert "did not finish within" in d.t_.take_load_error("d-req") and d.t_.take_error_blocks() == {1}
     step_until(d, lambda f: "release" in p.types())
     assert p.holder.step([]) == {"p-req"} and d.num_quarantined == 0
     loader_idle(d)
@@ -359,7 +374,7 @@ def test_read_is_aborted_when_p_stops_confirming_the_lease(d):
     p.gate.clear()  # heartbeats go unanswered
     d.clock_.now += 4.1
     assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
-    assert "stopped confirming its lease" in d.take_load_error("d-req") and d.take_error_blocks() == {1}
+    assert "stopped confirming its lease" in d.t_.take_load_error("d-req") and d.t_.take_error_blocks() == {1}
     p.gate.set()
     loader_idle(d)
 
@@ -376,7 +391,7 @@ def test_read_that_cannot_be_aborted_is_quarantined_until_the_transport_lets_go(
     assert state(d, "d-req") == LoadState.QUARANTINED and d.num_quarantined == 1 and d.num_failures == 1
     d.t_.state = "ERR"  # the transport gives up on it: now nothing can write the blocks
     assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
-    assert d.take_error_blocks() == {1, 2} and "did not finish" in d.take_load_error("d-req")
+    assert d.t_.take_error_blocks() == {1, 2} and "did not finish" in d.t_.take_load_error("d-req")
     loader_idle(d)
 
 
@@ -387,7 +402,7 @@ def test_transfer_status_raising_is_an_error_state(d):
     step_until(d, lambda f: d.t_.posted)
     d.t_.check_raises = True
     assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
-    assert "transfer error" in d.take_load_error("d-req")
+    assert "transfer error" in d.t_.take_load_error("d-req") and d.t_.take_error_blocks() == {1}
     d.clock_.now += 1.1
     d.step()
     assert not d.peers  # a peer whose READ failed is dropped; the next load handshakes again
@@ -418,7 +433,7 @@ def test_cancel_in_each_state(d):
     assert step_until(d, lambda f: "rd" in f) == {"rd"}
     step_until(d, lambda f: p.types().count("release") >= 2)
     assert p.holder.step([]) == {"p2"}  # the claimed-then-cancelled grant was released
-    assert not d.take_error_blocks()
+    assert not d.t_.take_error_blocks()
     loader_idle(d)
 
 
