@@ -1,9 +1,10 @@
 """In-process pull transport: D's worker half copies blocks straight out of P's registered cache.
 
 A real registered connector for tests (and single-process experiments): P and D engines live in
-one process and find each other by engine id. It follows the same lifecycle as the NIXL pull
-transport, including leases, cancellation and injected read failures, so the scheduler-level
-P/D tests exercise the contract without a network. The copy is done with item assignment, so the
+one process and find each other by engine id. It follows the contract (leases, keep-alives,
+cancellation, injected read failures) so the scheduler-level P/D tests exercise it without a
+network, but not lifecycle.py's states: no handshake, no claim, no boot nonce (one process cannot
+restart a peer); the real transports' lifecycle is tested in tests/kv_transfer. The copy is done with item assignment, so the
 "KV cache" may be a torch tensor or, in torch-free tests, a plain list of blocks.
 """
 from __future__ import annotations

@@ -8,7 +8,10 @@ A message is a JSON object plus an optional opaque blob (e.g. NIXL agent metadat
 Every request has "type" and "version"; every reply has "ok" (and "error" when not ok). The
 server runs in its own thread (one short-lived thread per connection) and calls the handler the
 owner registered for the message type; handlers run off the engine thread, so the owner guards
-whatever they share with a lock and never touches the transport from them.
+whatever they share with a lock and never touches the transport from them. The handoff's types
+(lifecycle.py): handshake, claim, heartbeat, release, done. The client side for one peer,
+PeerClient, runs exchanges on its own threads under one deadline each and hands outcomes back as
+events; a client never raises into its owner.
 No pyzmq: the GPU image lacks it, and one framed request/reply needs nothing more than sockets.
 
 Authentication: with a key (the cluster's router key), every request carries "ts" (the sender's clock)

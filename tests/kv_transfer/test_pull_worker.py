@@ -1,6 +1,6 @@
-"""The pull handoff's worker lifecycle (pull_worker_common.py), the same for every transport: a
-scattered READ is byte-exact and coalesced, a READ may finish before P's SendSpec, leases expire,
-fault injection. P and D workers in one process; NIXL over DRAM, cuda_ipc through the shared tensor."""
+"""The pull handoff's worker lifecycle (lifecycle.py, through pull_worker_common.py), the same for every
+transport: a scattered READ is byte-exact and coalesced, a claim may come before P's SendSpec, leases
+expire, fault injection. P and D workers in one process; NIXL over DRAM, cuda_ipc through the shared tensor."""
 from __future__ import annotations
 
 import time
