@@ -30,7 +30,7 @@ def _handoff(p, d, local, remote, n) -> float:
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec(f"p{n}", remote)]))
     start = time.perf_counter()
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[RecvSpec(
-        f"d{n}", local, remote, p.engine_id, f"p{n}", "127.0.0.1", p.side_channel_port)]))
+        f"d{n}", local, remote, p.engine_id, f"p{n}", "127.0.0.1", p.side_channel_port, p.boot_id)]))
     is_sent = is_received = False
     while not (is_sent and is_received):
         is_sent |= f"p{n}" in p.get_finished()[0]

@@ -117,7 +117,7 @@ def producer_main(conn, transport: str, device: str, shape: dict, env: dict, ext
     try:
         torch, kv_cache, worker = _setup("producer", transport, device, shape, env, extra)
         from pdserve.kv_transfer.pull import PullConnectorMeta, SendSpec
-        conn.send(("ready", worker.engine_id, worker.side_channel_port,
+        conn.send(("ready", (worker.engine_id, worker.boot_id), worker.side_channel_port,  # (id, boot nonce)
                    _checksums(torch, kv_cache, list(range(shape["num_blocks"])))))
         while True:
             if conn.poll():
@@ -157,8 +157,9 @@ def consumer_main(conn, transport: str, device: str, shape: dict, env: dict, ext
             elif message[0] == "checksums":
                 conn.send(("checksums", _checksums(torch, kv_cache, message[1])))
             elif message[0] == "recv":
-                _, p_engine_id, p_port, requests, timeout = message
-                specs = [RecvSpec(d_request_id, local, remote, p_engine_id, p_request_id, "127.0.0.1", p_port)
+                _, (p_engine_id, p_boot_id), p_port, requests, timeout = message
+                specs = [RecvSpec(d_request_id, local, remote, p_engine_id, p_request_id, "127.0.0.1", p_port,
+                                  p_boot_id)
                          for d_request_id, p_request_id, local, remote in requests]
                 before = worker.get_stats()["kv_transfer_descriptors_total"]
                 done: dict[str, float] = {}
