@@ -230,7 +230,7 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while the engine steps; 503 with the reason when its process died, it reported itself
-        broken, or it has been silent past its stall bound."""
+        broken or degraded (steps keep failing), or it has been silent past its stall bound."""
         try:
             is_healthy, reason = _engine_health(self.engine)
         except Exception:   # noqa: BLE001
@@ -280,6 +280,10 @@ class OpenAIServer:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize, as vLLM serves it: {"prompt": str} or {"messages": [...]} → the token ids."""
+        with self._admit():   # it uses the tokenizer lanes as generation does
+            return await self._tokenize_route(request)
+
+    async def _tokenize_route(self, request: web.Request) -> web.Response:
         body = await self._read_body(request)
         is_chat = isinstance(body, dict) and "messages" in body
         req = ChatCompletionRequest.from_json(body) if is_chat else CompletionRequest.from_json(body)
@@ -302,6 +306,10 @@ class OpenAIServer:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize {"tokens": [ids]} → {"prompt": text}."""
+        with self._admit():
+            return await self._detokenize_route(request)
+
+    async def _detokenize_route(self, request: web.Request) -> web.Response:
         body = await self._read_body(request)
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not all(_is_token_id(t) for t in tokens):
