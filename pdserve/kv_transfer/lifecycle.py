@@ -321,8 +321,7 @@ class Loader:
                 if (peer := self.peers.get(key)) is not None:
                     self.t._send_done(peer, request_ids)
             self._done_to_send = {}
-        if self.peers or self.clients:
-            self._sweep()
+        self._sweep()  # (once a second)
         finished, self._finished = self._finished, set()
         return finished
 
@@ -360,6 +359,7 @@ class Loader:
             load.state = LoadState.QUARANTINED
 
     def _report_quarantined(self, load: Load) -> None:
+        load.state = LoadState.FAILED  # (counted, and P released, by _abort)
         self.t._load_failed(load, load.error, load.spec.local_block_ids)
         self._forget(load)
 
@@ -406,7 +406,7 @@ class Loader:
             self._send_release(load.spec)
         self._forget(load)
 
-    def _forget(self, load: Load) -> None:  # (a QUARANTINED load's failure was counted and P released before)
+    def _forget(self, load: Load) -> None:
         if self.loads.get(load.spec.request_id) is load:
             del self.loads[load.spec.request_id]
         if load.is_reported:
@@ -416,8 +416,9 @@ class Loader:
     def _peer(self, spec: RecvSpec, now: float) -> Peer:
         key = (spec.remote_engine_id, spec.remote_boot_id)
         peer = self.peers.get(key)
-        if peer is not None and peer.is_failed and not self._loads_of(peer, *_BUSY):
-            self._drop_peer(peer)  # its P failed a READ and nothing uses it: handshake again
+        is_dead = peer is not None and (peer.is_failed or (peer.remote is None and now > peer.deadline))
+        if is_dead and not self._loads_of(peer, *_BUSY):
+            self._drop_peer(peer)  # its P failed a READ, or never answered, and nothing uses it: handshake again
         elif peer is not None:
             peer.last_used = now
             return peer
