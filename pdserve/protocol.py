@@ -34,7 +34,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-                413: "invalid_request_error", 500: "server_error", 502: "backend_error",
+                413: "invalid_request_error", 415: "invalid_request_error", 417: "invalid_request_error",
+                500: "server_error", 502: "backend_error",
                 503: "service_unavailable", 504: "timeout_error"}
 
 # Numeric bounds. Token ids and token counts fit an int32, so no tensor that holds them can overflow.

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -46,6 +45,9 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV
+from pdserve.http_guard import (INLINE_PARSE_BYTES, RETRY_AFTER_S, ROUTER_KEY_HEADER, bearer_token,
+                                expect_handler, parse_json, quiet_malformed_requests, read_body, runner_args,
+                                secret_matches)
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, error_body, sse_event
 from pdserve.router.metrics import ProxyMetrics
@@ -54,9 +56,6 @@ from pdserve.router.policy import Policy, RoundRobin
 logger = logging.getLogger(__name__)
 
 NETWORK_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-ROUTER_KEY_HEADER = "X-PDServe-Router-Key"   # what the instances check (pdserve/server/app.py)
-RETRY_AFTER_S = 1
-INLINE_PARSE_BYTES = 64 << 10      # larger client bodies are parsed in a thread, off the event loop
 
 
 def json_error(message: str, status: int, error_type: str | None = None) -> web.Response:
@@ -70,16 +69,13 @@ def describe(e: BaseException) -> str:
 def parse_body(data: bytes, schema=None) -> dict:
     """The client's JSON object, checked against `schema` (a protocol request class) when given."""
     try:
-        body = json.loads(data)
-    except (ValueError, RecursionError):
-        body = None
-    if not isinstance(body, dict):
-        raise ClientError(400, "request body must be a JSON object")
-    if schema is not None:
-        try:
+        body = parse_json(data)
+        if not isinstance(body, dict):
+            raise ProtocolError(400, "request body must be a JSON object")
+        if schema is not None:
             schema.from_json(body)
-        except ProtocolError as e:
-            raise ClientError(e.status, e.message, e.param) from None
+    except ProtocolError as e:
+        raise ClientError(e.status, e.message, e.param) from None
     return body
 
 
@@ -181,10 +177,7 @@ class Proxy:
         await self.session.close()
 
     def is_authorized(self, request: web.Request) -> bool:
-        if self.api_key is None:
-            return True
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
+        return self.api_key is None or secret_matches(bearer_token(request), self.api_key)
 
     def backend_headers(self, request_id: str) -> dict[str, str]:
         headers = {"X-Request-Id": request_id}
@@ -194,12 +187,9 @@ class Proxy:
 
     async def read_body(self, request: web.Request, schema=None) -> dict:
         try:
-            async with asyncio.timeout(self.body_timeout):
-                data = await request.read()
-        except TimeoutError:
-            raise ClientError(408, f"the request body did not arrive within {self.body_timeout:g} s") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise ClientError(413, f"the request body is larger than {self.max_body_bytes} bytes") from None
+            data = await read_body(request, self.body_timeout, self.max_body_bytes)
+        except ProtocolError as e:
+            raise ClientError(e.status, e.message) from None
         if len(data) <= INLINE_PARSE_BYTES:
             return parse_body(data, schema)
         return await asyncio.to_thread(parse_body, data, schema)
@@ -426,14 +416,12 @@ class Proxy:
 
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
-# aiohttp's default of an hour: a connection idle (or still sending its headers) this long is closed,
-# so that connections that never finish a request do not pile up.
-IDLE_CONNECTION_TIMEOUT_S = 60.0
 
 
 @web.middleware
 async def json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """aiohttp's own 404 / 405 / 413 as OpenAI-style JSON, like every other answer."""
+    """aiohttp's own 404 / 405 / 413 as OpenAI-style JSON, like every other answer; anything unexpected a
+    JSON 500 whose details stay in the log."""
     try:
         return await handler(request)
     except web.HTTPException as e:
@@ -442,6 +430,11 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
         return web.json_response(error_body(f"{e.reason}: {request.method} {request.path}", status=e.status),
                                  status=e.status, headers=headers)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:  # noqa: BLE001 - nothing a client sends may take the router down
+        logger.exception("%s %s failed", request.method, request.path)
+        return web.json_response(error_body("internal server error", status=500), status=500)
 
 
 def normalize_url(url: str) -> str:
@@ -469,16 +462,16 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
     proxy = Proxy(prefill, decode, colocated, api_key, timeout, connect_timeout,
                   router_key=router_key, max_in_flight=max_in_flight, body_timeout=body_timeout,
                   max_body_bytes=max_body_bytes)
+    quiet_malformed_requests()
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app[PROXY_KEY] = proxy
     app.cleanup_ctx.append(proxy.session_ctx)
-    app.router.add_post("/v1/completions", proxy.completions)
-    app.router.add_post("/v1/chat/completions", proxy.completions)
-    app.router.add_get("/v1/models", proxy.passthrough)
-    app.router.add_post("/tokenize", proxy.passthrough)
-    app.router.add_post("/detokenize", proxy.passthrough)
-    app.router.add_get("/health", proxy.health)
-    app.router.add_get("/metrics", proxy.render_metrics)
+    for path, handler in (("/v1/completions", proxy.completions), ("/v1/chat/completions", proxy.completions),
+                          ("/tokenize", proxy.passthrough), ("/detokenize", proxy.passthrough)):
+        app.router.add_post(path, handler, expect_handler=expect_handler)
+    for path, handler in (("/v1/models", proxy.passthrough), ("/health", proxy.health),
+                          ("/metrics", proxy.render_metrics)):
+        app.router.add_get(path, handler, expect_handler=expect_handler)
     return app
 
 
@@ -511,6 +504,5 @@ def main_proxy(args: argparse.Namespace) -> int:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2
     # handler_cancellation: a client disconnect cancels the handler, which closes the hop in progress.
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
-                keepalive_timeout=IDLE_CONNECTION_TIMEOUT_S)
+    web.run_app(app, host=args.host, port=args.port, access_log=None, **runner_args())
     return 0

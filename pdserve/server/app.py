@@ -30,8 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import hmac
-import json
 import logging
 import threading
 import time
@@ -44,6 +42,9 @@ from aiohttp import web
 
 from pdserve import protocol
 from pdserve.config import ServerConfig
+from pdserve.http_guard import (INLINE_PARSE_BYTES, RETRY_AFTER_S, ROUTER_KEY_HEADER, bearer_token,
+                                expect_handler, parse_json, quiet_malformed_requests, read_body, runner_args,
+                                secret_matches)
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.outputs import FinishReason, RequestOutput
 from pdserve.protocol import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, ProtocolError
@@ -52,15 +53,9 @@ from pdserve.server.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5
-ROUTER_KEY_HEADER = "X-PDServe-Router-Key"
 OPEN_PATHS = frozenset({"/health", "/metrics"})   # probes and scrapers need no key
-RETRY_AFTER_S = 1                     # what a 503 at capacity tells the client to wait
-INLINE_PARSE_BYTES = 64 << 10         # larger bodies are parsed on the large lane, off the event loop
 SMALL_INPUT_CHARS = 16 << 10          # prompts up to this many characters take the small lane
 IS_ROUTER_KEY = web.RequestKey("pdserve_is_router", bool)
-# A connection idle this long (aiohttp's default is an hour), or never done sending its headers, is
-# closed: connections that never make a request must not pile up.
-IDLE_CONNECTION_TIMEOUT_S = 60.0
 
 
 class _Generation:
@@ -194,10 +189,10 @@ class OpenAIServer:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            request[IS_ROUTER_KEY] = is_router = _secret_matches(request.headers.get(ROUTER_KEY_HEADER),
-                                                                 self.config.router_key)
+            request[IS_ROUTER_KEY] = is_router = secret_matches(request.headers.get(ROUTER_KEY_HEADER),
+                                                                self.config.router_key)
             if self.config.api_key is not None and request.path not in OPEN_PATHS and not is_router:
-                if not _secret_matches(_bearer_token(request), self.config.api_key):
+                if not secret_matches(bearer_token(request), self.config.api_key):
                     raise ProtocolError(401, "invalid or missing API key (Authorization: Bearer <key>)")
             return await handler(request)
         except ProtocolError as e:
@@ -335,16 +330,11 @@ class OpenAIServer:
             self.num_in_flight -= 1
 
     async def _read_body(self, request: web.Request) -> Any:
-        """The JSON body, read within body_timeout_s (a slow upload holds a connection, not the server)
-        and parsed off the event loop when large."""
-        try:
-            async with asyncio.timeout(self.config.body_timeout_s):
-                body = await request.read()
-        except TimeoutError:
-            raise ProtocolError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s")
+        """The JSON body (http_guard.read_body's limits), parsed off the event loop when large."""
+        body = await read_body(request, self.config.body_timeout_s, self.max_body_bytes)
         if len(body) <= INLINE_PARSE_BYTES:
-            return _parse_json(body)
-        return await asyncio.get_running_loop().run_in_executor(self._lanes["large"], _parse_json, body)
+            return parse_json(body)
+        return await asyncio.get_running_loop().run_in_executor(self._lanes["large"], parse_json, body)
 
     async def _parse(self, request: web.Request, schema: Any) -> Any:
         body = await self._read_body(request)
@@ -530,13 +520,6 @@ def _usage(output: RequestOutput) -> dict[str, Any]:
     return protocol.usage(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
 
 
-def _parse_json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
-        raise ProtocolError(400, f"the request body is not valid JSON: {e}") from None
-
-
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
@@ -570,20 +553,6 @@ def _apply_chat_template(tokenizer: Any, req: ChatCompletionRequest) -> list[int
     return [int(t) for t in result]
 
 
-def _bearer_token(request: web.Request) -> str | None:
-    """The credentials of "Authorization: Bearer <token>" (the scheme is case-insensitive, RFC 7235)."""
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token if scheme.lower() == "bearer" else None
-
-
-def _secret_matches(given: str | None, expected: str | None) -> bool:
-    """Constant-time comparison of a header with a secret. aiohttp hands over non-UTF-8 header bytes as
-    surrogate escapes: they are a wrong key (401), not an encoding error (500)."""
-    if given is None or expected is None:
-        return False
-    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())
-
-
 def _engine_health(engine: Any) -> tuple[bool, str]:
     health = getattr(engine, "health", None)
     if health is not None:
@@ -615,15 +584,15 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> web.Applicatio
     """The aiohttp application. Run it with handler_cancellation=True (as start_server does) so a client
     that goes away aborts its request at once."""
     server = OpenAIServer(engine, config)
+    quiet_malformed_requests()
     app = web.Application(middlewares=[server.middleware], client_max_size=server.max_body_bytes)
-    app.router.add_post("/v1/completions", server.completions)
-    app.router.add_post("/v1/chat/completions", server.chat_completions)
-    app.router.add_get("/v1/models", server.models)
-    app.router.add_post("/tokenize", server.tokenize)
-    app.router.add_post("/detokenize", server.detokenize)
-    app.router.add_get("/health", server.health)
-    app.router.add_get("/metrics", server.metrics_text)
-    app.router.add_post("/v1/kv/release", server.release_kv)
+    for path, handler in (("/v1/completions", server.completions), ("/v1/chat/completions", server.chat_completions),
+                          ("/tokenize", server.tokenize), ("/detokenize", server.detokenize),
+                          ("/v1/kv/release", server.release_kv)):
+        app.router.add_post(path, handler, expect_handler=expect_handler)
+    for path, handler in (("/v1/models", server.models), ("/health", server.health),
+                          ("/metrics", server.metrics_text)):
+        app.router.add_get(path, handler, expect_handler=expect_handler)
 
     async def shutdown_lanes(app: web.Application) -> None:
         for lane in server._lanes.values():
@@ -638,8 +607,7 @@ async def start_server(engine: Any, host: str = "127.0.0.1", port: int = 0, conf
                        *, access_log: bool = False) -> tuple[web.AppRunner, int]:
     """Start serving on the running loop; returns the runner (await runner.cleanup() to stop) and the
     bound port (useful with port=0)."""
-    runner = web.AppRunner(build_app(engine, config), handler_cancellation=True,
-                           keepalive_timeout=IDLE_CONNECTION_TIMEOUT_S,
+    runner = web.AppRunner(build_app(engine, config), **runner_args(),
                            access_log=logging.getLogger("aiohttp.access") if access_log else None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -363,41 +363,6 @@ class FuzzEngine(FakeEngine):
                ([f"neither finished nor aborted: {sorted(unaccounted)}"] if unaccounted else [])
 
 
-# ----------------------------------------------------------------------------- known findings
-
-def known_finding(answer: Answer | None, headers: dict) -> str | None:
-    """A product bug this fuzzer found and reported, kept out of the properties so that the fuzz goes on
-    looking for others; each has its own failing test_finding_* test. Remove an entry once fixed."""
-    headers = {k.lower(): v for k, v in headers.items()}
-    if answer is None:
-        return None
-    is_plain_error = answer.status >= 400 and answer.content_type == "text/plain"
-    encoding = headers.get("content-encoding", "identity").strip(" \t").lower()
-    if encoding not in ("", "identity") and (answer.status == 500 or is_plain_error or answer.error is not None):
-        # FINDING content-encoding: a body that is not what Content-Encoding says is a 500 (when the
-        # handler reads it) or aiohttp's text/plain 400 (when decoded before), never an OpenAI-style 400
-        return "content-encoding"
-    expect = headers.get("expect")
-    if expect is not None and expect.strip(" \t").lower() != "100-continue" and is_plain_error:
-        # FINDING expect: aiohttp's default expect handler answers any other Expect with a text/plain
-        # 417, and one that is not UTF-8 with a 500 (UnicodeEncodeError building the 417)
-        return "expect"
-    return None
-
-
-def is_known_log_record(record: logging.LogRecord) -> bool:
-    """The log side of known_finding: the 500s' tracebacks."""
-    from aiohttp.web_protocol import RequestPayloadError
-    exc = record.exc_info[1] if record.exc_info else None
-    if isinstance(exc, RequestPayloadError) and "content-encoding" in str(exc):
-        return True
-    tb, frames = (exc.__traceback__ if exc is not None else None), []
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    return isinstance(exc, UnicodeEncodeError) and "_default_expect_handler" in frames
-
-
 # ----------------------------------------------------------------------------- logs
 
 class ErrorLog(logging.Handler):
@@ -413,12 +378,9 @@ class ErrorLog(logging.Handler):
 
     def findings(self, since: int = 0) -> list[str]:
         """The records from index `since` on that are findings."""
-        from aiohttp.http_exceptions import HttpProcessingError
         out = []
-        for r in self.records[since:]:
+        for r in self.records[since:]:   # (aiohttp's malformed-request errors: INFO, http_guard.py)
             exc = r.exc_info[1] if r.exc_info else None
-            if r.name == "aiohttp.server" and isinstance(exc, HttpProcessingError) or is_known_log_record(r):
-                continue
             out.append(f"{r.name}: {r.getMessage()[:300]}" + (f" ({type(exc).__name__}: {exc})" if exc else ""))
         return out
 
@@ -437,7 +399,6 @@ class Tally:
 
     def __init__(self) -> None:
         self.counts: dict[str, Counter] = {}
-        self.findings: Counter = Counter()
 
     def add(self, route: str, answer: Answer | None) -> None:
         self.counts.setdefault(route, Counter())[answer.status if answer else None] += 1
@@ -446,5 +407,4 @@ class Tally:
         return sum(n for s, n in self.counts.get(route, Counter()).items() if s is not None and 200 <= s < 300)
 
     def __str__(self) -> str:
-        return "; ".join(f"{route}: {dict(c)}" for route, c in sorted(self.counts.items())) + \
-            (f"; known findings hit: {dict(self.findings)}" if self.findings else "")
+        return "; ".join(f"{route}: {dict(c)}" for route, c in sorted(self.counts.items()))

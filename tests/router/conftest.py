@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from pdserve import protocol
+from pdserve.http_guard import runner_args
 from pdserve.router.proxy import build_proxy_app
 
 MODEL = "fake-model"
@@ -165,7 +166,7 @@ class Harness:
 
     async def _start(self, app: web.Application) -> str:
         # handler_cancellation as in run_proxy: a client disconnect cancels the handler
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(app, access_log=None, **runner_args())   # as `pdserve proxy` runs it
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         self.runners.append(runner)

@@ -131,8 +131,8 @@ def test_a_large_prompt_being_tokenized_does_not_hold_up_small_ones():
 def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch):
     engine = FakeEngine(max_model_len=100_000)
     threads = []
-    real_parse = app_module._parse_json
-    monkeypatch.setattr(app_module, "_parse_json",
+    real_parse = app_module.parse_json
+    monkeypatch.setattr(app_module, "parse_json",
                         lambda body: threads.append(threading.current_thread().name) or real_parse(body))
     prompt = [5] * 30_000    # about 90 KB of JSON
 
@@ -394,7 +394,8 @@ def test_the_bearer_scheme_is_case_insensitive():
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed(monkeypatch):
-    monkeypatch.setattr(app_module, "IDLE_CONNECTION_TIMEOUT_S", 0.5)
+    from pdserve import http_guard
+    monkeypatch.setattr(http_guard, "IDLE_CONNECTION_TIMEOUT_S", 0.5)
     engine = engine_with()
 
     async def main():
