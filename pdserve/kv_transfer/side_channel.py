@@ -41,8 +41,13 @@ logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 DEFAULT_TIMEOUT_S = 5.0
 _HEADER = struct.Struct(">II")
-_MAX_JSON_BYTES = 16 << 20
+_MAX_JSON_BYTES = 16 << 20    # a reply (the handshake's blob is NIXL agent metadata)
 _MAX_BLOB_BYTES = 64 << 20
+# What a server reads of a request before it can check its MAC: requests carry ids, never a blob, so an
+# unauthenticated peer cannot make the server hold more than this per connection.
+MAX_REQUEST_JSON_BYTES = 4 << 20
+MAX_REQUEST_BLOB_BYTES = 64 << 10
+MAX_CONNECTIONS = 64          # served at once; more are closed at once (a flood costs no threads)
 MAX_CLOCK_SKEW_S = 60.0
 
 # handler(message, blob) -> (reply, reply_blob)
@@ -70,9 +75,10 @@ def send_message(sock: socket.socket, message: dict[str, Any], blob: bytes = b""
     sock.sendall(_HEADER.pack(len(body), len(blob)) + body + blob)
 
 
-def recv_message(sock: socket.socket, deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
+def recv_message(sock: socket.socket, deadline: float | None = None, max_json_bytes: int = _MAX_JSON_BYTES,
+                 max_blob_bytes: int = _MAX_BLOB_BYTES) -> tuple[dict[str, Any], bytes]:
     json_len, blob_len = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
-    if json_len > _MAX_JSON_BYTES or blob_len > _MAX_BLOB_BYTES:
+    if json_len > max_json_bytes or blob_len > max_blob_bytes:
         raise ConnectionError(f"side channel: oversized message ({json_len} + {blob_len} bytes)")
     message = json.loads(_recv_exact(sock, json_len, deadline))
     if not isinstance(message, dict):
@@ -119,19 +125,39 @@ def request(host: str, port: int, message: dict[str, Any], blob: bytes = b"",
 class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     daemon_threads = True
+    request_queue_size = 128   # the listen backlog (socketserver's 5 makes a burst of Ds retry SYNs for seconds)
 
     def __init__(self, address: tuple[str, int], handlers: dict[str, Handler], key: str | None) -> None:
         self.handlers, self.key = handlers, key
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__(address, _RequestHandler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            logger.warning("side channel: %d connections open; refusing %s", MAX_CONNECTIONS, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)   # a thread that releases the slot
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _RequestHandler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         sock: socket.socket = self.request
         sock.settimeout(DEFAULT_TIMEOUT_S)
-        try:
-            message, blob = recv_message(sock)
-        except (OSError, ValueError) as e:
+        try:  # one deadline for the whole request: a peer that trickles bytes is cut off too
+            message, blob = recv_message(sock, time.monotonic() + DEFAULT_TIMEOUT_S, MAX_REQUEST_JSON_BYTES,
+                                         MAX_REQUEST_BLOB_BYTES)
+        except (OSError, ValueError, RecursionError) as e:
             logger.warning("side channel: bad request from %s: %s", self.client_address, e)
             return
         kind = message.get("type")
