@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -23,11 +24,11 @@ class Process:
     adds variables (e.g. CUDA_VISIBLE_DEVICES)."""
 
     def __init__(self, args: list[str], name: str, env: dict[str, str] | None = None,
-                 log_dir: str = "/tmp") -> None:
-        self.port = free_port()
+                 log_dir: str = "/tmp", port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.name = name
-        self.log = open(os.path.join(log_dir, f"pdserve-{name}-{self.port}.log"), "w")
+        self.name, self.args, self.extra_env, self.log_dir = name, args, env, log_dir
+        self.log = open(os.path.join(log_dir, f"pdserve-{name}-{self.port}.log"), "a")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.router_key = env.get("PDSERVE_ROUTER_KEY")   # the test plays the router: it sends the key
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args, "--port", str(self.port)],
@@ -49,6 +50,7 @@ class Process:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)  # a frozen test subject would not see the SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(20)
@@ -56,6 +58,36 @@ class Process:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+    def pids(self) -> list[int]:
+        """The server's PID and its descendants' (the engine process holds the KV cache, NIXL and the
+        side channel: a fault that hits "the instance" hits them all)."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        todo.extend(int(child) for child in f.read().split())
+            except OSError:  # gone meanwhile
+                pass
+        return found
+
+    def signal(self, sig: int) -> None:
+        """Send sig to the server and each of its descendants, by PID (SIGKILL, SIGSTOP, SIGCONT)."""
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGKILL:
+            self.proc.wait()
+
+    def restart(self) -> "Process":
+        """The same command on the same port (a supervisor's restart); the old one must be gone."""
+        self.stop()
+        return Process(self.args, self.name, self.extra_env, self.log_dir, port=self.port)
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
