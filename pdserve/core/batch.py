@@ -27,6 +27,9 @@ class ScheduledRequest:
     block_ids: list[int]              # the request's whole block table
     sampling_params: SamplingParams
     do_sample: bool                   # False for a prompt chunk that is not the last
+    # Tokens sampled for the request before this step, as the scheduler knows them (a resumed request
+    # starts with those another instance generated): a seeded generator made now skips that many draws.
+    num_output_tokens: int = 0
 
 
 @dataclass(frozen=True)

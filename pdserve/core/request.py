@@ -40,7 +40,10 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
                  kv_transfer_params: dict[str, Any] | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, output_token_ids: list[int] | None = None) -> None:
+        """output_token_ids: a resumed request's tokens generated elsewhere (by an instance that died
+        mid-stream): computed as context like a preempted request's, counted as output (max_tokens,
+        usage), never sent again."""
         if not prompt_token_ids:
             raise ValueError("prompt: must hold at least one token")
         self.request_id = request_id
@@ -55,8 +58,8 @@ class Request:
                               max_model_len - len(prompt_token_ids) if max_model_len else None) if n is not None]
         self.max_tokens = max(1, min(limits)) if limits else 1
 
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = list(output_token_ids or ())
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Async scheduling: scheduled into a step whose outputs have not landed yet (0 otherwise).

@@ -81,8 +81,8 @@ class Scheduler:
                 or request.request_id in self._free_after_landing):
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         capacity = self.kv.pool.num_blocks * self.block_size
-        if request.num_prompt_tokens >= capacity:
-            raise ValueError(f"prompt: {request.num_prompt_tokens} tokens do not fit in the KV cache "
+        if request.num_tokens >= capacity:   # a resumed request's output so far must fit too
+            raise ValueError(f"prompt: {request.num_tokens} tokens do not fit in the KV cache "
                              f"({capacity} token slots)")
         # A request alone must always fit, or preemption could never make room for it.
         request.max_tokens = min(request.max_tokens, capacity - request.num_prompt_tokens)
@@ -302,6 +302,7 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
             do_sample=do_sample,
+            num_output_tokens=request.num_output_tokens,
         )
 
     # -- update ------------------------------------------------------------------------------

@@ -62,6 +62,15 @@ class IncrementalDetokenizer:
                 self.stopped = True
         return self.stopped
 
+    def resume(self, token_ids: list[int]) -> bool:
+        """Take tokens whose text the client already has (a request resumed after the instance that
+        generated them died): the state becomes what that instance's was after emitting them, text held
+        back for a stop string and a character split across tokens included, so the text goes on
+        exactly where the client's stopped. True when they hold a stop string (they should not)."""
+        stopped = self.update(token_ids)
+        self.take_new_text(finished=False)
+        return stopped
+
     def take_new_text(self, finished: bool) -> str:
         end = len(self.text) if (finished or self.stopped) else max(self.emitted, len(self.text) - self.hold)
         new, self.emitted = self.text[self.emitted:end], end

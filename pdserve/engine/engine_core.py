@@ -121,22 +121,36 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict | None = None) -> None:
-        """ValueError naming the field for what the engine cannot run; nothing of the request stays."""
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens, the model's length is "
+                    kv_transfer_params: dict | None = None, resumed_token_ids: list[int] | None = None) -> None:
+        """ValueError naming the field for what the engine cannot run; nothing of the request stays.
+
+        resumed_token_ids: the tokens another instance generated for this request before it died (the
+        router resumes the stream here). They are computed as context after the prompt and count as
+        output: max_tokens and usage include them, a seeded generator skips their draws, and the
+        detokenizer replays them so that the text goes on where the client's stopped (a multi-byte
+        character or a stop string across the boundary included)."""
+        resumed = list(resumed_token_ids or ())
+        all_token_ids = [*prompt_token_ids, *resumed]
+        if len(all_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(all_token_ids)} tokens, the model's length is "
                              f"{self.max_model_len}")
         vocab_size = self.runner.info.vocab_size
-        if prompt_token_ids and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab_size:
+        if all_token_ids and not 0 <= min(all_token_ids) <= max(all_token_ids) < vocab_size:
             raise ValueError(f"prompt: token ids must be in [0, {vocab_size}), got "
-                             f"{min(prompt_token_ids)}..{max(prompt_token_ids)}")
+                             f"{min(all_token_ids)}..{max(all_token_ids)}")
         # Again here, not only at construction: params changed since (or built without it, and sent
         # from another process) must fail this request, not the step that samples for it.
         params.validate()
         KVTransferParams.from_dict(kv_transfer_params)  # malformed params: ValueError here, not in the loop
+        if resumed and kv_transfer_params:
+            raise ValueError("resume: a resumed request computes its context here, without kv_transfer_params")
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
-                          self.max_model_len, kv_transfer_params)
+                          self.max_model_len, kv_transfer_params, output_token_ids=resumed)
+        if resumed and request.num_output_tokens >= request.max_tokens:
+            raise ValueError(f"resume: {len(resumed)} tokens already generated, max_tokens is {request.max_tokens}")
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._decode)
+        if resumed and detokenizer.resume(resumed):
+            raise ValueError("resume: the tokens already generated hold a stop string")
         self.scheduler.add_request(request)
         self.detokenizers[request_id] = detokenizer
 
@@ -261,7 +275,7 @@ class EngineCore:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             finish_reason=request.status.finish_reason if finished else None,
-            num_cached_tokens=request.num_cached_tokens,
+            num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
             kv_transfer_params=params,
             error=error,
         )

@@ -93,9 +93,26 @@ def _exponential_noise(shape: torch.Size, generators: Sequence[torch.Generator |
         noise.exponential_()  # one shared draw for the rows without a seed
     for row, generator in enumerate(generators):
         if generator is not None:
-            noise[row].exponential_(generator=generator)
+            _draw_row(noise[row], generator)
     # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick.
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+def _draw_row(row: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The one draw a seeded row takes per sampled token: V exponentials, whatever the row's
+    temperature, top-k or top-p (the noise covers the whole vocabulary; the cuts mask the probabilities
+    instead). Greedy rows take none: they get no generator."""
+    return row.exponential_(generator=generator)
+
+
+def skip_draws(generator: torch.Generator, vocab_size: int, num_draws: int, device: torch.device) -> None:
+    """Advance a seeded request's generator past `num_draws` sampled tokens, as if it had sampled them
+    here: a request resumed on this instance with tokens another one generated continues the same
+    random stream. The same draws replayed one by one (not one larger draw: on CPU a call's use of
+    the generator is not proportional to its size), so it costs what sampling them did, without the model."""
+    row = torch.empty(vocab_size, device=device)
+    for _ in range(num_draws):
+        _draw_row(row, generator)
 
 
 def _is_host(values: Values) -> bool:

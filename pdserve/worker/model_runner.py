@@ -23,7 +23,7 @@ from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.host_copy import to_device
 from pdserve.model.loader import load_model
-from pdserve.model.sampler import sample
+from pdserve.model.sampler import sample, skip_draws
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.cuda_graphs import DecodeGraphs, graph_buckets
 from pdserve.worker.kv_cache import allocate_kv_cache
@@ -259,10 +259,10 @@ class ModelRunner:
         sp = [item.sampling_params for item in sample_items]
         # Host lists let the sampler skip work it can see is not needed (an all-greedy batch is one argmax).
         tokens = sample(logits, [p.temperature for p in sp], [p.top_p for p in sp],
-                        [p.top_k for p in sp], [self._generator(item) for item in sample_items])
+                        [p.top_k for p in sp], [self._generator(item, logits.shape[-1]) for item in sample_items])
         return StepHandle.launched([item.request_id for item in sample_items], tokens, self.device)
 
-    def _generator(self, item) -> torch.Generator | None:
+    def _generator(self, item, vocab_size: int) -> torch.Generator | None:
         seed = item.sampling_params.seed
         if seed is None or item.sampling_params.is_greedy:
             return None
@@ -270,6 +270,9 @@ class ModelRunner:
         if gen is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed)
+            # A request resumed here with tokens another instance sampled: continue its random stream
+            # where that one stopped (a fresh request has none; a preempted one keeps its generator).
+            skip_draws(gen, vocab_size, item.num_output_tokens, self.device)
             self.generators[item.request_id] = gen
         self._generator_states[item.request_id] = gen.get_state()  # host-side (seed, offset) on CUDA
         return gen

@@ -67,3 +67,43 @@ def test_incremental_text_equals_one_decode_of_every_token_on_the_default_tokeni
         whole = tok.decode(ids, skip_special_tokens=True)
         if not whole.endswith("\ufffd"):  # a trailing partial character is held back, by design
             assert detok.text == whole, (trial, ids)
+
+
+def _emitted(text: str, params: SamplingParams, split: int, prompt: str = "Q: ") -> tuple[str, bool]:
+    """The client's whole text when the instance that emitted the first `split` bytes died and another
+    one resumed: the first's pieces up to the split, then the resumed detokenizer's."""
+    data = text.encode()
+    first = IncrementalDetokenizer(TOK, list(prompt.encode()), params)
+    pieces = []
+    for byte in data[:split]:
+        assert not first.update([byte])
+        pieces.append(first.take_new_text(finished=False))
+    second = IncrementalDetokenizer(TOK, list(prompt.encode()), params)
+    assert not second.resume(list(data[:split]))
+    stopped = False
+    for byte in data[split:]:
+        stopped = second.update([byte])
+        pieces.append(second.take_new_text(finished=stopped))
+        if stopped:
+            break
+    if not stopped:
+        pieces.append(second.take_new_text(finished=True))
+    return "".join(pieces), stopped
+
+
+def test_resume_goes_on_where_the_client_text_stopped_at_every_split():
+    """A multi-byte character, or a stop string, across the boundary of a resumed request: the text
+    is the uninterrupted one, no character twice, none lost."""
+    for text, params in (("héllo € ok 日本", SamplingParams()),
+                         ("one two STOP three", SamplingParams(stop=["STOP"])),
+                         ("ab€<end>cd", SamplingParams(stop=["<end>", "zz"]))):
+        whole, whole_stopped = stream(text, params)
+        # bytes the uninterrupted run took (one piece per byte, and one more at the end if it ran out)
+        num_taken = len(whole) if whole_stopped else len(text.encode())
+        for split in range(num_taken):
+            assert _emitted(text, params, split) == ("".join(whole), whole_stopped), (text, split)
+
+
+def test_resume_reports_tokens_that_hold_a_stop_string():
+    detok = IncrementalDetokenizer(TOK, list(b"Q: "), SamplingParams(stop=["STOP"]))
+    assert detok.resume(list(b"a STOP b"))

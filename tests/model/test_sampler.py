@@ -1,7 +1,7 @@
 """sample(): greedy exactness, per-request seeds independent of the batch, top-k / top-p cuts."""
 import torch
 
-from pdserve.model.sampler import Sampler, sample
+from pdserve.model.sampler import Sampler, sample, skip_draws
 
 VOCAB = 1000
 
@@ -77,3 +77,29 @@ def test_sampling_follows_the_cut_distribution():
     assert abs((top_k_2 == 0).float().mean().item() - 0.625) < 0.03  # 0.5 / (0.5 + 0.3)
     top_p = sample(logits, [1.0] * num_rows, [0.75] * num_rows, [0] * num_rows, [None] * num_rows)
     assert set(top_p.tolist()) == {0, 1}  # 0.5 + 0.3 is the smallest set holding 0.75
+
+
+def test_skip_draws_continues_a_seeded_stream_where_another_instance_stopped():
+    """A request resumed after k tokens: its generator, fast-forwarded by k draws, samples the tokens
+    the uninterrupted run sampled next, on the plain temperature path and on the top-k / top-p path
+    (each draws the same noise per step), alone or among other rows."""
+    steps = [random_logits(1, seed=10 + i)[0] for i in range(12)]
+    others = random_logits(3, seed=50)
+    for temperature, top_p, top_k in ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 20), (0.8, 0.5, 7)):
+        def run(generator, rows, in_batch):
+            tokens = []
+            for row in rows:
+                if in_batch:   # among an unseeded, a greedy and another seeded row
+                    logits = torch.cat([others[:1], row[None], others[1:]])
+                    got = sample(logits, [1.0, temperature, 0.0, 0.9], [1.0, top_p, 1.0, 0.8], [0, top_k, 0, 3],
+                                 [None, generator, None, seeded(5)])[1]
+                else:
+                    got = sample(row[None], [temperature], [top_p], [top_k], [generator])[0]
+                tokens.append(int(got))
+            return tokens
+        whole = run(seeded(77), steps, in_batch=False)
+        assert len(set(whole)) > 1
+        for k in (1, 5, 11):
+            generator = seeded(77)
+            skip_draws(generator, VOCAB, k, torch.device("cpu"))
+            assert run(generator, steps[k:], in_batch=k % 2 == 1) == whole[k:], (temperature, top_p, top_k, k)
