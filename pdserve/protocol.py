@@ -54,6 +54,7 @@ MAX_TEMPLATE_KWARGS = 32       # each becomes a variable of the chat template
 MAX_TEMPLATE_VALUE_CHARS = 1024
 MAX_MODEL_CHARS = 1024         # echoed in every response chunk
 MAX_KV_TRANSFER_KEYS = 32      # vLLM's fields are a handful; the engine checks each one
+MAX_RESUME_TOKENS = 1 << 20    # a resumed request's tokens so far: no context is longer (the server checks its own)
 
 # chat_template_kwargs keys the server sets itself when it applies the chat template.
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
@@ -250,6 +251,24 @@ class ChatMessage(TypedDict):
 
 # ----------------------------------------------------------------------------- requests
 
+class Resume(BaseModel):
+    """The router's stream recovery (its key only): the tokens the instance that died had generated for
+    this request, streamed to the client already. The instance computes them as context after the
+    prompt and goes on from there: max_tokens and usage count them, a seeded generator skips their draws,
+    the text continues where the client's stopped. `num_tokens` must be their number (a check on a
+    truncated list)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_RESUME_TOKENS)]
+    num_tokens: TokenCount
+
+    @model_validator(mode="after")
+    def _count_matches(self) -> Self:
+        if self.num_tokens != len(self.token_ids):
+            raise _invalid(f"num_tokens is {self.num_tokens} but token_ids holds {len(self.token_ids)}")
+        return self
+
+
 class _Request(BaseModel):
     """Fields both endpoints share: sampling, streaming, P/D."""
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -269,6 +288,11 @@ class _Request(BaseModel):
     stream_options: Optional[StreamOptions] = None
     kv_transfer_params: Optional[Annotated[dict[str, Any], Strict(), Field(max_length=MAX_KV_TRANSFER_KEYS)]] = None
     return_token_ids: StrictBool = False   # extension (as vLLM's): choices carry "token_ids"
+    resume: Optional[Resume] = None        # extension, the router's alone: see Resume
+    # Extension for the router's stream recovery: each stream chunk with new tokens also carries them in a
+    # top-level "router_token_ids", which the router removes. Not return_token_ids: those are the client's
+    # (and always on without a tokenizer), so the router could not tell which ids it may remove.
+    router_token_ids: StrictBool = False
     # OpenAI fields pdserve does not implement: accepted at the value that asks for nothing.
     n: Optional[OnlyOne] = None
     best_of: Optional[OnlyOne] = None

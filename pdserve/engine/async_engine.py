@@ -124,8 +124,8 @@ def _handle_message(core, msg: tuple, out_conn) -> None:
     kind = msg[0]
     try:
         if kind == "add":
-            _, request_id, prompt_token_ids, params, kv_params = msg
-            core.add_request(request_id, prompt_token_ids, params, kv_params)
+            _, request_id, prompt_token_ids, params, kv_params, resumed_token_ids = msg
+            core.add_request(request_id, prompt_token_ids, params, kv_params, resumed_token_ids)
         elif kind == "abort":
             core.abort(msg[1])
         elif kind == "release_kv":
@@ -254,7 +254,9 @@ class AsyncEngine:
 
     # -- API for the server ------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None,
+                       resumed_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """resumed_token_ids: see EngineCore.add_request (the router's stream recovery)."""
         refusal = self._dead or self._broken
         if refusal is not None:
             yield _error_output(request_id, refusal, len(prompt_token_ids))
@@ -264,7 +266,8 @@ class AsyncEngine:
         KVTransferParams.from_dict(kv_transfer_params)  # malformed: a 400 for the client, not a dead engine
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self._outbox.put(("add", request_id, list(prompt_token_ids), params, kv_transfer_params))
+        self._outbox.put(("add", request_id, list(prompt_token_ids), params, kv_transfer_params,
+                          list(resumed_token_ids or ())))
         finished = False
         try:
             while not finished:

@@ -35,6 +35,13 @@ class ProxyMetrics:
                                        registry=r)
         self.num_rejected = Counter(p + "requests_rejected_total", "Requests refused with a 503 at capacity.",
                                     registry=r)
+        self.num_recoveries = Counter(p + "recoveries_total", "Requests resumed on another decode (or colocated) "
+                                      "instance after the one serving them failed (each resubmission).", registry=r)
+        self.num_recovery_failures = Counter(p + "recovery_failures_total", "Decode hops that failed and could "
+                                             "not be resumed: no other instance (no_backend), max_recoveries "
+                                             "reached (limit), an instance that does not report token ids "
+                                             "(untracked), or after the finish (after_finish).",
+                                             ["reason"], registry=r)
         self.num_backend_requests = Counter(p + "backend_requests_total", "Hops sent to a backend, retries included.",
                                             ["role", "backend"], registry=r)
         self.num_backend_errors = Counter(p + "backend_errors_total", "Hops that failed because of the backend: "

@@ -3,10 +3,10 @@
 Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions` in P/D mode:
 1. Admission: past --max-in-flight requests a 503 with Retry-After. Check the api key (if set); read the
    client's JSON object within the body timeout (parsed off the event loop when large), else 400/408/413.
-   Drop any kv_transfer_params the client sent: pairing P with D is the router's alone. Take the client's
-   X-Request-Id or make one: both hops carry it, and the router key, never the client's Authorization.
-   Check the body against the OpenAI schema (protocol.py) before any backend works on it: a request D would
-   refuse must not cost a prefill first (400 naming the field).
+   Drop any kv_transfer_params, resume or router_token_ids the client sent: those are the router's alone.
+   Take the client's X-Request-Id or make one: both hops carry it, and the router key, never the client's
+   Authorization. Check the body against the OpenAI schema (protocol.py) before any backend works on it: a
+   request D would refuse must not cost a prefill first (400 naming the field).
 2. Prefill hop: pick a P (round-robin) and POST it the body with `kv_transfer_params: {do_remote_decode: true}`,
    `stream: false`, no `stream_options`, and the client's own max_tokens: P checks prompt + max_tokens against
    its context, as D will, then generates one token (a prefill for a remote decode always does).
@@ -15,11 +15,19 @@ Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions` in P/D mo
    502). A connection error, timeout or 5xx is retried once on another P when there is one, then becomes a
    502 naming the P by its pool and index ("prefill-0"); URLs and backend error text stay in the log.
 3. Take `kv_transfer_params` from P's JSON answer; missing: 502 naming the P.
-4. Decode hop: pick a D and POST it the original body plus those `kv_transfer_params`. Before any byte of the
-   answer: a 4xx goes to the client as is, anything else becomes a 502 naming the D.
-5. Answer: streaming, copy D's bytes to the client as they come (SSE passthrough); else return D's JSON. D saw
-   the whole prompt, so its usage is the client's. The first bytes from D end time to first token.
-6. D fails after streaming began: an SSE error event, then `data: [DONE]`.
+4. Decode hop: pick a D and POST it the original body plus those `kv_transfer_params` (and, streaming,
+   `router_token_ids`: each chunk also carries its tokens, for step 6). Before any byte of the answer: a 4xx
+   goes to the client as is; anything else is a failure of D (step 6).
+5. Answer: streaming, relay D's events to the client as they come, whole events only, less the router's token
+   ids (relay.py); else return D's JSON. D saw the whole prompt, so its usage is the client's. The first bytes
+   from D end time to first token.
+6. D fails (no answer, a 5xx, the connection dropped or timed out mid-stream, an error event other than the
+   request's own deadline): the request is resumed on another D (or, colocated, another instance), at most
+   --max-recoveries times, without kv_transfer_params (that D computes the prompt itself) and with
+   `resume: {token_ids, num_tokens}`, the tokens the client has already received; the new D goes on from
+   there and its events reach the client as the same stream (the first one's id, created and model). Nothing
+   to resume on (or the limit reached, or a stream without token ids): before any byte a 502 naming the D
+   (a 503 with its Retry-After), after it an SSE error event, then `data: [DONE]`.
 7. Client disconnect: the handler is cancelled (handler_cancellation) or its write fails; closing the upstream
    response closes D's connection, or P's during step 2, and that backend aborts the request.
 8. D never took the request (no connection, or it answered with an error status): POST P /v1/kv/release with
@@ -33,13 +41,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -52,10 +61,13 @@ from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, error_body, sse_event
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.policy import Policy, RoundRobin
+from pdserve.router.relay import MalformedStream, StreamRelay
 
 logger = logging.getLogger(__name__)
 
 NETWORK_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+ROUTER_FIELDS = ("kv_transfer_params", "resume", "router_token_ids")   # dropped from client bodies
+DEFAULT_MAX_RECOVERIES = 2
 
 
 def json_error(message: str, status: int, error_type: str | None = None) -> web.Response:
@@ -151,8 +163,9 @@ class Proxy:
     def __init__(self, prefill: Policy | None, decode: Policy | None, colocated: Policy | None,
                  api_key: str | None, timeout: float, connect_timeout: float,
                  router_key: str | None = None, max_in_flight: int = 4096, body_timeout: float = 30.0,
-                 max_body_bytes: int = 32 << 20) -> None:
+                 max_body_bytes: int = 32 << 20, max_recoveries: int = DEFAULT_MAX_RECOVERIES) -> None:
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
+        self.max_recoveries = max_recoveries
         self.api_key, self.router_key = api_key, router_key
         self.max_in_flight, self.body_timeout, self.max_body_bytes = max_in_flight, body_timeout, max_body_bytes
         self.num_in_flight = 0
@@ -209,18 +222,15 @@ class Proxy:
                 raise ClientError(401, "invalid or missing API key (Authorization: Bearer <key>)")
             is_chat = request.path.endswith("/chat/completions")
             body = await self.read_body(request, ChatCompletionRequest if is_chat else CompletionRequest)
-            body.pop("kv_transfer_params", None)  # the router's to set, never the client's
+            for field in ROUTER_FIELDS:   # the router's to set, never the client's
+                body.pop(field, None)
             start, headers = time.monotonic(), self.backend_headers(request_id)
             if self.colocated is not None:  # colocated: no prefill hop
                 return await self.final_hop(request, "colocated", self.colocated, body, headers, start)
             prefill_url, kv_transfer_params = await self.prefill_hop(request.path, body, headers, is_chat)
-            try:
-                return await self.final_hop(request, "decode", self.decode,
-                                            dict(body, kv_transfer_params=kv_transfer_params), headers, start)
-            except BackendError as e:
-                if e.never_took_request:
-                    self.release_on_prefill(prefill_url, kv_transfer_params, headers)
-                raise
+            return await self.final_hop(
+                request, "decode", self.decode, body, headers, start, kv_transfer_params=kv_transfer_params,
+                release=lambda: self.release_on_prefill(prefill_url, kv_transfer_params, headers))
         except ClientError as e:
             self.metrics.num_errors.inc()
             return e.response()
@@ -314,56 +324,129 @@ class Proxy:
         task.add_done_callback(self.releases.discard)
 
     async def final_hop(self, request: web.Request, role: str, pool: Policy, body: dict, headers: dict,
-                        start: float) -> web.StreamResponse:
+                        start: float, *, kv_transfer_params: dict | None = None,
+                        release: Callable[[], None] | None = None) -> web.StreamResponse:
+        """The decode (or colocated) hop: the client's body, with P's kv_transfer_params in P/D mode. When the
+        instance serving it fails (no answer, a 5xx, a dropped or broken stream), the request is resumed on
+        another instance of the pool, at most max_recoveries times: resubmitted without kv_transfer_params
+        (that instance computes the prompt itself) and, for a stream that has begun, with the tokens the
+        client has received (`resume`), so the client's stream goes on where it stopped. `release`: P's
+        blocks are not needed after all (the first hop never reached a D)."""
+        is_stream = bool(body.get("stream"))
+        relay = StreamRelay() if is_stream else None
+        hop_body = dict(body, router_token_ids=True) if is_stream else dict(body)
+        if kv_transfer_params is not None:
+            hop_body["kv_transfer_params"] = kv_transfer_params
+        out: web.StreamResponse | None = None   # the client's stream, once begun
+        failed: list[str] = []
         url = pool.pick()
-        try:
-            resp = await self.post(role, url, request.path, body, headers)
+        while True:
             try:
-                if body.get("stream"):
-                    return await self.stream(request, role, url, resp, headers, start)
-                data = await self.read(role, url, resp)
-                self.metrics.ttft.observe(time.monotonic() - start)
-                return web.Response(status=resp.status, body=data, headers={
-                    "Content-Type": resp.headers.get("Content-Type", "application/json"),
-                    "X-Request-Id": headers["X-Request-Id"]})
-            finally:
-                resp.close()  # unread: drops the connection, so the backend aborts the request
-        except BackendError as e:
-            if e.body is None:
-                self.metrics.backend_error(role, self.names[url])
-            raise
-        finally:
-            pool.release(url)
-
-    async def stream(self, request: web.Request, role: str, url: str, resp: aiohttp.ClientResponse,
-                     headers: dict, start: float | None) -> web.StreamResponse:
-        out = web.StreamResponse(status=resp.status, headers={
-            "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache", "X-Request-Id": headers["X-Request-Id"]})
-        try:
-            await out.prepare(request)
-            while True:
                 try:
-                    chunk = await resp.content.readany()
-                except NETWORK_ERRORS as e:  # the status line went out already: an SSE error event
-                    error = BackendError(role, url, f"{describe(e)} (mid-stream)",
-                                         public_detail=f"{public_detail(e)} mid-stream")
-                    logger.warning("request %s: %s", headers["X-Request-Id"], error)
-                    self.metrics.num_errors.inc()
-                    self.metrics.backend_error(role, self.names[url])
-                    await out.write(sse_event(error_body(error.public_message(self.names), status=502,
-                                                         type="backend_error")) + SSE_DONE)
-                    break
-                if not chunk:
-                    break
+                    resp = await self.post(role, url, request.path, hop_body, headers)
+                except BackendError as e:
+                    if e.never_took_request and release is not None and not failed:
+                        release()
+                    raise
+                try:
+                    if not is_stream:
+                        data = await self.read(role, url, resp)
+                        self.metrics.ttft.observe(time.monotonic() - start)
+                        return web.Response(status=resp.status, body=data, headers={
+                            "Content-Type": resp.headers.get("Content-Type", "application/json"),
+                            "X-Request-Id": headers["X-Request-Id"]})
+                    if out is None:
+                        out = web.StreamResponse(status=resp.status, headers={
+                            "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                            "Cache-Control": "no-cache", "X-Request-Id": headers["X-Request-Id"]})
+                        await out.prepare(request)
+                    relay.start_hop(is_resumed=bool(failed))
+                    start = await self.stream(out, role, url, resp, relay, start)
+                    await out.write_eof()
+                    return out
+                finally:
+                    resp.close()  # unread: drops the connection, so the backend aborts the request
+            except BackendError as e:
+                error = e
+            except ConnectionResetError:  # the client went away; D's connection is closed, so D aborts
+                self.metrics.num_client_disconnects.inc()
+                return out
+            finally:
+                pool.release(url)
+            if error.body is None:
+                self.metrics.backend_error(role, self.names[url])
+            failed.append(url)
+            reason, url = self.why_not_resume(error, relay, pool, failed)
+            if reason is None:
+                logger.warning("request %s: %s; resuming on %s after %d tokens", headers["X-Request-Id"], error,
+                               self.names[url], relay.num_tokens if relay else 0)
+                self.metrics.num_recoveries.inc()
+                hop_body = dict(body, router_token_ids=True) if is_stream else dict(body)
+                if relay is not None and relay.num_tokens:
+                    hop_body["resume"] = {"token_ids": relay.resume_token_ids(), "num_tokens": relay.num_tokens}
+                continue
+            if reason != "not_recoverable":
+                self.metrics.num_recovery_failures.labels(reason=reason).inc()
+            if out is None:
+                raise error
+            await self.end_with_error(out, error, relay, headers)
+            return out
+
+    def why_not_resume(self, error: BackendError, relay: StreamRelay | None, pool: Policy,
+                       failed: list[str]) -> tuple[str | None, str | None]:
+        """(None, the instance to resume on), or (why not, None)."""
+        if not error.is_retryable or (relay is not None and relay.error_event is not None
+                                      and not relay.error_is_recoverable):
+            return "not_recoverable", None   # the client's 4xx, or its own deadline: the same anywhere
+        if relay is not None and relay.is_finished:
+            return "after_finish", None
+        if relay is not None and not relay.is_tracked:
+            return "untracked", None
+        if len(failed) > self.max_recoveries:
+            return "limit", None
+        url = pool.pick(exclude=failed)
+        return ("no_backend", None) if url is None else (None, url)
+
+    async def end_with_error(self, out: web.StreamResponse, error: BackendError, relay: StreamRelay,
+                             headers: dict) -> None:
+        """The stream began and cannot go on: the instance's own error event if it sent one, else an SSE
+        error event naming it, then [DONE]."""
+        logger.warning("request %s: %s", headers["X-Request-Id"], error)
+        self.metrics.num_errors.inc()
+        event = relay.error_event or sse_event(error_body(error.public_message(self.names), status=502,
+                                                          type="backend_error"))
+        with contextlib.suppress(ConnectionError):
+            await out.write(event + SSE_DONE)
+            await out.write_eof()
+
+    async def stream(self, out: web.StreamResponse, role: str, url: str, resp: aiohttp.ClientResponse,
+                     relay: StreamRelay, start: float | None) -> float | None:
+        """Relay one hop's events to the client until its [DONE]; BackendError when the hop fails first
+        (the connection dropped or timed out, the stream ended early or is malformed, or the instance sent
+        an error event). Returns `start`, None once the first bytes went out (time to first token)."""
+        while True:
+            try:
+                chunk = await resp.content.readany()
+            except NETWORK_ERRORS as e:
+                raise BackendError(role, url, f"{describe(e)} (mid-stream)",
+                                   public_detail=f"{public_detail(e)} mid-stream") from e
+            if not chunk:
+                if relay.error_event is not None:
+                    raise BackendError(role, url, f"error event mid-stream: {relay.error_event[:300]!r}",
+                                       public_detail="failed mid-stream")
+                if not relay.is_done:
+                    raise BackendError(role, url, "the stream ended before [DONE]",
+                                       public_detail="dropped the connection mid-stream")
+                return start
+            try:
+                data = relay.feed(chunk)
+            except MalformedStream as e:
+                raise BackendError(role, url, str(e), public_detail="sent a malformed stream") from e
+            if data:
                 if start is not None:  # the first bytes
                     self.metrics.ttft.observe(time.monotonic() - start)
                     start = None
-                await out.write(chunk)
-            await out.write_eof()
-        except ConnectionResetError:  # the client went away; the caller closes resp, so D aborts
-            self.metrics.num_client_disconnects.inc()
-        return out
+                await out.write(data)
 
     async def passthrough(self, request: web.Request) -> web.Response:
         """GET /v1/models, POST /tokenize, /detokenize: asked of one decode (or colocated) instance."""
@@ -446,7 +529,8 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
                     colocated_urls: Sequence[str] | None = None, api_key: str | None = None,
                     timeout: float = 600.0, connect_timeout: float = 10.0,
                     *, router_key: str | None = None, max_in_flight: int = 4096,
-                    max_body_bytes: int = 32 << 20, body_timeout: float = 30.0) -> web.Application:
+                    max_body_bytes: int = 32 << 20, body_timeout: float = 30.0,
+                    max_recoveries: int = DEFAULT_MAX_RECOVERIES) -> web.Application:
     """P/D mode needs prefill_urls and decode_urls; colocated mode needs only colocated_urls.
 
     timeout: seconds a backend may stay silent (between bytes) before the hop fails.
@@ -458,10 +542,12 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
         raise ValueError("prefill_urls/decode_urls: P/D mode needs at least one of each (or use colocated_urls)")
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
+    if max_recoveries < 0:
+        raise ValueError(f"max_recoveries: must be >= 0, got {max_recoveries}")
     prefill, decode, colocated = (RoundRobin(urls) if urls else None for urls in pools)
     proxy = Proxy(prefill, decode, colocated, api_key, timeout, connect_timeout,
                   router_key=router_key, max_in_flight=max_in_flight, body_timeout=body_timeout,
-                  max_body_bytes=max_body_bytes)
+                  max_body_bytes=max_body_bytes, max_recoveries=max_recoveries)
     quiet_malformed_requests()
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app[PROXY_KEY] = proxy
@@ -492,6 +578,9 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-in-flight", type=int, default=4096,
                         help="requests served at once; more get a 503 with Retry-After")
     parser.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body")
+    parser.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES,
+                        help="times one request may be resumed on another decode (or colocated) instance after "
+                             "the one serving it failed; 0: never")
 
 
 def main_proxy(args: argparse.Namespace) -> int:
@@ -499,7 +588,7 @@ def main_proxy(args: argparse.Namespace) -> int:
     try:
         app = build_proxy_app(args.prefill, args.decode, args.colocated, api_key=args.api_key,
                               timeout=args.timeout, router_key=args.router_key, max_in_flight=args.max_in_flight,
-                              max_body_bytes=args.max_body_bytes)
+                              max_body_bytes=args.max_body_bytes, max_recoveries=args.max_recoveries)
     except ValueError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ One generation request (POST /v1/completions or /v1/chat/completions), step by s
   2. admission: past max_num_seqs + max_queued_requests in flight, a 503 with Retry-After
   3. read the body within body_timeout_s (408) and at most max_body_bytes (413); parse it (off the event
      loop when large) into a CompletionRequest / ChatCompletionRequest (protocol.py; 400 naming the field);
-     kv_transfer_params only from the router (403)
+     kv_transfer_params and resume (the router's stream recovery: tokens another instance generated
+     for this request, to go on from) only from the router (403)
   4. check the model name, the prompt's characters before tokenizing (400), then tokenize (or apply the
      chat template) on a lane thread: small prompts and large ones on separate threads, each with its own
      tokenizer, so the event loop keeps streaming and one large prompt never holds up small ones; check
@@ -63,14 +64,15 @@ class _Generation:
     unless it finished."""
 
     def __init__(self, engine: Any, metrics: ServerMetrics, request_id: str, prompt_token_ids: list[int],
-                 params: Any, kv_transfer_params: dict | None) -> None:
+                 params: Any, kv_transfer_params: dict | None, resumed_token_ids: list[int] | None = None) -> None:
         self.engine, self.metrics, self.request_id = engine, metrics, request_id
         self.arrival = time.monotonic()
         self.last_token_time: float | None = None
         self.num_outputs = 0
         self.is_finished = False       # the engine is done with it: nothing to abort
         self._is_counted = False       # counted as a success, failure or abort
-        self._outputs = engine.generate(request_id, prompt_token_ids, params, kv_transfer_params)
+        resume = {"resumed_token_ids": resumed_token_ids} if resumed_token_ids else {}
+        self._outputs = engine.generate(request_id, prompt_token_ids, params, kv_transfer_params, **resume)
 
     async def next(self) -> RequestOutput:
         """The next output; an engine failure comes back as an output with `error` set (and the request
@@ -342,6 +344,14 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.kv_transfer_params is not None and not self._may_transfer_kv(request):
             raise ProtocolError(403, "kv_transfer_params are accepted only from the router", "kv_transfer_params")
+        if req.resume is not None:
+            # Whoever resumes a request puts words in the model's mouth under another request's name
+            # (the router's stream recovery): the router's alone, like kv_transfer_params.
+            if not self._may_transfer_kv(request):
+                raise ProtocolError(403, "resume is accepted only from the router", "resume")
+            if req.kv_transfer_params is not None:
+                raise ProtocolError(400, "resume: a resumed request is computed here, without kv_transfer_params",
+                                    "resume")
         return req
 
     def _check_token_ids(self, token_ids: list[int], param: str) -> None:
@@ -422,10 +432,17 @@ class OpenAIServer:
             # max_tokens (which the router passes on) was checked against the context just above, so a
             # request the decode instance would refuse is refused here, before the prefill is paid for.
             params.max_tokens = 1
+        resumed = None
+        if req.resume is not None:   # the router resumes a stream another instance began (see _parse)
+            resumed = list(req.resume.token_ids)
+            self._check_token_ids(resumed, "resume")
+            if len(resumed) >= params.max_tokens:
+                raise ProtocolError(400, f"resume: {len(resumed)} tokens already generated, max_tokens is "
+                                         f"{params.max_tokens}", "resume")
         request_id = protocol.new_chat_completion_id() if is_chat else protocol.new_completion_id()
         try:
             generation = _Generation(self.engine, self.metrics, request_id, list(prompt_token_ids), params,
-                                     req.kv_transfer_params)
+                                     req.kv_transfer_params, resumed)
         except ValueError as e:
             raise ProtocolError(400, str(e)) from None
         watcher = _watch_disconnect(request, generation)
@@ -473,7 +490,7 @@ class OpenAIServer:
         with_token_ids = self._with_token_ids(req)
         try:
             async with asyncio.timeout_at(deadline):
-                if is_chat:
+                if is_chat and req.resume is None:   # a resumed stream continues one that had its role chunk
                     await response.write(protocol.sse_event(protocol.chat_chunk(
                         request_id, model, created, {"role": "assistant", "content": ""})))
                 while True:
@@ -482,7 +499,8 @@ class OpenAIServer:
                         break
                     finish_reason = _finish_reason(output)
                     token_ids = output.new_token_ids if with_token_ids else None
-                    if output.new_text or token_ids or finish_reason is not None:
+                    router_token_ids = output.new_token_ids if req.router_token_ids else None
+                    if output.new_text or token_ids or router_token_ids or finish_reason is not None:
                         if is_chat:
                             delta = {"content": output.new_text} if output.new_text else {}
                             chunk = protocol.chat_chunk(request_id, model, created, delta, finish_reason, token_ids)
@@ -491,6 +509,8 @@ class OpenAIServer:
                                                               finish_reason, token_ids)
                         if finish_reason is not None and output.kv_transfer_params is not None:
                             chunk["kv_transfer_params"] = output.kv_transfer_params
+                        if router_token_ids:   # the last key: the router cuts it off the event's end
+                            chunk["router_token_ids"] = router_token_ids
                         await response.write(protocol.sse_event(chunk))
                     if output.finished:
                         if req.include_usage:

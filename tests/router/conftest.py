@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from pdserve.router.proxy import build_proxy_app
 
 MODEL = "fake-model"
 PIECES = ["Hello", " from", " D"]          # what a decode instance generates
+TOKEN_IDS = [11, 12, 13]                   # ... as tokens
 D_USAGE = protocol.usage(7, len(PIECES))   # D saw the whole prompt
 P_USAGE = protocol.usage(7, 1)
 
@@ -33,7 +35,9 @@ class Received:
 
 @dataclass
 class FakeBackend:
-    """One instance. role: prefill | decode | colocated. mode picks a behaviour (see handle)."""
+    """One instance. role: prefill | decode | colocated. mode picks a behaviour (see handle and stream).
+    A stream reports its tokens as a pdserve instance does when asked (router_token_ids, return_token_ids)
+    and takes `resume` as one does: it checks the tokens and goes on after them."""
     role: str
     mode: str = "ok"
     url: str = ""
@@ -73,8 +77,8 @@ class FakeBackend:
                 raise
         if self.role == "prefill":
             return self.prefill(body, is_chat)
-        if self.role == "decode":
-            self.check(body.get("kv_transfer_params", {}).get("remote_engine_id", "").startswith("http://"),
+        if self.role == "decode" and "resume" not in body and "kv_transfer_params" in body:  # else: resumed
+            self.check(body["kv_transfer_params"].get("remote_engine_id", "").startswith("http://"),
                        f"decode got kv_transfer_params {body.get('kv_transfer_params')}")
         if self.mode == "silent":
             await asyncio.sleep(5)
@@ -105,20 +109,41 @@ class FakeBackend:
                 while True:
                     await send(protocol.sse_event(protocol.completion_chunk("id-d", MODEL, 0, "x")))
                     await asyncio.sleep(0.02)
-            for i, piece in enumerate(PIECES):
+            stream_id = f"id-d-{self.url[-5:]}"   # each instance its own, as pdserve instances
+            resume = body.get("resume")
+            first = 0
+            if resume is not None:
+                first = resume["num_tokens"]
+                self.check(resume["token_ids"] == TOKEN_IDS[:first] and 0 < first < len(PIECES), f"resume {resume}")
+                self.check("kv_transfer_params" not in body, "a resumed hop carried kv_transfer_params")
+            with_ids, with_router_ids = body.get("return_token_ids") is True, body.get("router_token_ids") is True
+            # die_after_K (the connection drops), error_after_K (a 500 error event), deadline_after_K (a 504
+            # one): after K token chunks of this answer; "+no_ids": reports no router_token_ids
+            failure = re.search(r"(die|error|deadline)_after_(\d+)", self.mode)
+            die_after = 1 if self.mode == "die_mid_stream" else int(failure.group(2)) if failure else None
+            for i in range(first, len(PIECES)):
+                piece, ids = PIECES[i], [TOKEN_IDS[i]] if with_ids else None
                 if is_chat:
                     delta = {"role": "assistant", "content": piece} if i == 0 else {"content": piece}
-                    chunk = protocol.chat_chunk("id-d", MODEL, 0, delta)
+                    chunk = protocol.chat_chunk(stream_id, MODEL, 0, delta, token_ids=ids)
                 else:
-                    chunk = protocol.completion_chunk("id-d", MODEL, 0, piece)
+                    chunk = protocol.completion_chunk(stream_id, MODEL, 0, piece, token_ids=ids)
+                if with_router_ids and "no_ids" not in self.mode:
+                    chunk["router_token_ids"] = [TOKEN_IDS[i]]
                 await send(protocol.sse_event(chunk))
-                if self.mode == "die_mid_stream":
+                if die_after is not None and i + 1 - first == die_after:
+                    if failure and failure.group(1) != "die":   # the instance's own error event
+                        code = 504 if failure.group(1) == "deadline" else 500
+                        await send(protocol.sse_event(protocol.error_body(f"{self.role} error {code}", status=code)))
+                        await send(protocol.SSE_DONE)
+                        await out.write_eof()
+                        return out
                     request.transport.close()  # a crash: no final chunk of the chunked encoding
                     return out
-            await send(protocol.sse_event(protocol.chat_chunk("id-d", MODEL, 0, {}, "stop") if is_chat
-                                          else protocol.completion_chunk("id-d", MODEL, 0, "", "stop")))
+            await send(protocol.sse_event(protocol.chat_chunk(stream_id, MODEL, 0, {}, "stop") if is_chat
+                                          else protocol.completion_chunk(stream_id, MODEL, 0, "", "stop")))
             if (body.get("stream_options") or {}).get("include_usage"):
-                await send(protocol.sse_event(protocol.usage_chunk("id-d", MODEL, 0, D_USAGE, chat=is_chat)))
+                await send(protocol.sse_event(protocol.usage_chunk(stream_id, MODEL, 0, D_USAGE, chat=is_chat)))
             await send(protocol.SSE_DONE)
             await out.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import time
 import urllib.error
@@ -75,12 +76,14 @@ def test_pd_round_trip(harness, is_chat, is_stream):
 
 
 def test_sse_passthrough_is_byte_for_byte(harness):
+    """D's bytes as they came, less the token ids the router asked for (router_token_ids) for itself."""
     p, d = harness.backend("prefill"), harness.backend("decode")
     url = harness.proxy([p], [d])
     status, headers, raw = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True),
                                     headers={"X-Request-Id": "client-id-7"})
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
-    assert raw == bytes(d.sent) and raw.endswith(protocol.SSE_DONE)
+    assert d.received[0].body["router_token_ids"] is True and b"router_token_ids" in d.sent
+    assert raw == re.sub(rb',"router_token_ids":\[[0-9,]*\]', b"", bytes(d.sent)) and raw.endswith(protocol.SSE_DONE)
     assert p.received[0].headers["X-Request-Id"] == d.received[0].headers["X-Request-Id"] == "client-id-7"
 
 
@@ -162,7 +165,8 @@ def test_decode_hop_that_never_happened_releases_p_blocks(harness, mode):
 def test_no_release_when_d_may_be_reading(harness, mode):
     """Served, or D timed out (it may be reading P's blocks: it releases or finishes the read itself)."""
     p, d, failing = harness.backend("prefill"), harness.backend("decode", mode), harness.backend("decode", "http500")
-    url = harness.proxy([p], [d, failing], timeout=0.3)  # round-robin: d first, then failing
+    # round-robin: d first, then failing; no recovery (which would resume each request on the other D)
+    url = harness.proxy([p], [d, failing], timeout=0.3, max_recoveries=0)
     assert post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True))[0] == (200 if mode == "ok" else 502)
     assert post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True))[0] == 502
     # the second request's release arrives; had the first sent one, it would be here by then too

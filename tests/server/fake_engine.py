@@ -38,6 +38,7 @@ class GenerateCall:
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_transfer_params: dict | None
+    resumed_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -62,12 +63,15 @@ class FakeEngine:
     abort_calls: list[str] = field(default_factory=list)  # engine.abort(request_id) calls
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
-        self.calls.append(GenerateCall(request_id, list(prompt_token_ids), params, kv_transfer_params))
-        return self._generate(request_id, prompt_token_ids, params)
+                 kv_transfer_params: dict | None = None,
+                 resumed_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        self.calls.append(GenerateCall(request_id, list(prompt_token_ids), params, kv_transfer_params,
+                                       resumed_token_ids))
+        return self._generate(request_id, prompt_token_ids, params, len(resumed_token_ids or ()))
 
     async def _generate(self, request_id: str, prompt_token_ids: list[int],
-                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                        params: SamplingParams, num_resumed: int = 0) -> AsyncIterator[RequestOutput]:
+        """A resumed request (num_resumed tokens generated elsewhere) goes on with output num_resumed."""
         if self.refuse_with is not None:
             raise ValueError(self.refuse_with)
         num_prompt = len(prompt_token_ids)
@@ -75,7 +79,7 @@ class FakeEngine:
         self.running.add(request_id)
         text, num_sent_chars = "", 0
         try:
-            for i in range(max_tokens):
+            for i in range(num_resumed, max_tokens):
                 await asyncio.sleep(self.token_delay_s)
                 if self.raise_after is not None and i == self.raise_after:
                     raise RuntimeError("fake engine exploded")

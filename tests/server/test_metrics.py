@@ -16,7 +16,8 @@ PROXY_NAMES = {
     "pdserve:proxy_requests_in_flight": "gauge", "pdserve:proxy_time_to_first_token_seconds": "histogram",
     "pdserve:proxy_prefill_seconds": "histogram", "pdserve:proxy_kv_releases_total": "counter",
     "pdserve:proxy_requests_rejected_total": "counter",
-    "pdserve:proxy_backend_requests_total": "counter", "pdserve:proxy_backend_errors_total": "counter"}
+    "pdserve:proxy_backend_requests_total": "counter", "pdserve:proxy_backend_errors_total": "counter",
+    "pdserve:proxy_recoveries_total": "counter", "pdserve:proxy_recovery_failures_total": "counter"}
 
 
 def types(text: str) -> dict[str, str]:
