@@ -19,11 +19,11 @@ Measured times go to /tmp/pdserve-fault-matrix.json (docs/reliability.md has a r
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -91,6 +91,7 @@ class Client:
                           f"\r\n{key}Content-Length: {len(data)}\r\n\r\n".encode() + data)
         self.received = b""
         self.is_closed = False
+        self.closed_at: float | None = None  # when the server closed (the answer was complete)
 
     def read_until(self, marker: bytes, timeout: float = 60.0, count: int = 1) -> bytes:
         """Reads until `marker` arrived `count` times or the server closed; returns everything so far."""
@@ -105,6 +106,8 @@ class Client:
                 chunk = b""
             self.received += chunk
             self.is_closed = not chunk
+            if self.is_closed:
+                self.closed_at = time.monotonic()
         return self.received
 
     def finish(self, timeout: float = 60.0) -> tuple[int | None, bytes]:
@@ -220,10 +223,13 @@ def test_nixl_read_error_recompute_gives_the_colocated_output(cluster):
     before = metric(decode_rc, "kv_transfer_failures_total")
     for n in (17, 100, 300):
         prompt = token_prompt(n, seed=n + 7)
+        want = greedy(cluster["colocated"], prompt, max_tokens=16)
+        params = prefill_params(cluster["prefill"], prompt)  # the router's first hop (P's prefill: not timed)
         start = time.monotonic()
-        got = greedy(cluster["proxy_rc"], prompt, max_tokens=16)
+        status, answer = decode_rc.post("/v1/completions", body_of(prompt, 16, kv_transfer_params=params))
         record(f"nixl read error, recompute ({n} tokens)", time.monotonic() - start)
-        assert got == greedy(cluster["colocated"], prompt, max_tokens=16), n
+        assert status == 200 and answer["choices"][0]["text"] == want, (n, answer)
+        assert greedy(cluster["proxy_rc"], prompt, max_tokens=16) == want, n  # and through the proxy
     assert wait_until(lambda: metric(decode_rc, "kv_transfer_failures_total") >= before + 3, timeout=5)
     everything_idle(cluster)
 
@@ -291,15 +297,16 @@ def test_d_killed_mid_stream_and_while_waiting_for_kv(cluster):
     expirations = metric(prefill, "kv_lease_expirations_total")
     with Frozen(prefill):
         waiting = Client(decode, "/v1/completions", body_of(prompt, kv_transfer_params=params), True)
-        assert wait_until(lambda: metric(decode, "num_requests_waiting_for_remote_kvs") == 1, timeout=2)
+        assert wait_until(lambda: metric(decode, "num_requests_waiting_for_remote_kvs") == 1, timeout=5,
+                          interval=0.05)
         assert metric(decode, "num_requests_running") == 1
         start = time.monotonic()
         decode.signal(signal.SIGKILL)
         stream.read_until(b"[DONE]", BOUND)  # the proxy's SSE error event (or a recovered stream)
         record("D killed mid-stream (client via proxy)", time.monotonic() - start)
         assert b"data: [DONE]" in stream.received
-        assert b"decode-0 instance dropped the connection mid-stream" in stream.received or \
-            stream.received.count(b'"text"') >= 400, stream.received[-600:]
+        # an error event (the proxy's pool has no other D to resume the stream on) naming the backend
+        assert b'"error"' in stream.received and b"decode-0" in stream.received, stream.received[-600:]
         stream.close()
         status, _ = waiting.finish(BOUND)
         record("D killed while its request waits for KV (direct client)", time.monotonic() - start)
@@ -386,7 +393,7 @@ def test_client_disconnects_while_waiting_for_the_handoff(cluster):
     expirations = metric(prefill, "kv_lease_expirations_total")
     with Frozen(prefill):
         client = Client(decode, "/v1/completions", body_of(prompt, kv_transfer_params=params, stream=True), True)
-        assert wait_until(lambda: metric(decode, "num_requests_waiting_for_remote_kvs") == 1, timeout=2,
+        assert wait_until(lambda: metric(decode, "num_requests_waiting_for_remote_kvs") == 1, timeout=5,
                           interval=0.05)
         client.close()
         record("client leaves while D waits for KV: D idle", wait_idle(decode))
@@ -404,4 +411,47 @@ def test_client_disconnects_while_decoding(cluster):
         client.close()
         record(f"client leaves while decoding ({decode}): D idle", wait_idle(cluster[decode], cluster["prefill"]))
     next_request_succeeds(cluster, seed=82)
+    everything_idle(cluster)
+
+
+def test_p_killed_with_requests_in_every_state(cluster):
+    """Eight requests through both proxies when P dies: two decoding on the Ds, the others prefilling
+    or queued on P. Each gets a whole answer (the recompute D's: the colocated output) or a clean
+    error within two leases; the Ds end idle; the restarted P serves the next request."""
+    bodies = [body_of(token_prompt(40, seed=90 + i), 32, ignore_eos=True) for i in range(2)]
+    bodies += [body_of(token_prompt(300 + 40 * i, seed=92 + i), 8) for i in range(6)]
+    want = []
+    for body in bodies:
+        status, answer = cluster["colocated"].post("/v1/completions", body)
+        want.append(answer["choices"][0]["text"])
+    clients = [Client(cluster["proxy_rc"], "/v1/completions", bodies[0]),
+               Client(cluster["proxy"], "/v1/completions", bodies[1])]
+    assert wait_until(lambda: metric(cluster["decode"], "num_requests_running") == 1
+                      and metric(cluster["decode_rc"], "num_requests_running") == 1, timeout=20, interval=0.05)
+    clients += [Client(cluster["proxy" if i % 2 else "proxy_rc"], "/v1/completions", body)
+                for i, body in enumerate(bodies[2:])]
+    prefill = cluster["prefill"]
+    assert wait_until(lambda: metric(prefill, "num_requests_waiting") >= 2, timeout=20, interval=0.05)
+    start = time.monotonic()
+    prefill.signal(signal.SIGKILL)
+    try:
+        with ThreadPoolExecutor(len(clients)) as pool:  # each read as it comes: closed_at is its answer's time
+            # (the two on the Ds decode on, at the loaded machine's pace: not the fault's answer)
+            answers = list(pool.map(lambda i: clients[i].finish(BOUND if i >= 2 else 120), range(len(clients))))
+        outcomes = []
+        for i, (status, data) in enumerate(answers):
+            outcomes.append(status)
+            if status == 200:
+                assert json.loads(data)["choices"][0]["text"] == want[i], i
+            else:
+                assert status == 502 and json.loads(data)["error"]["message"].startswith("the prefill-0"), data
+        assert outcomes[:2] == [200, 200] and outcomes.count(502) >= 2, outcomes
+        record("P killed with 8 requests in flight: the errors", max(
+            c.closed_at - start for c, status in zip(clients, outcomes) if status != 200), outcomes=outcomes)
+        RESULTS["P killed with 8 requests in flight: the decoding ones complete"] = {
+            "seconds": round(max(c.closed_at - start for c in clients[:2]), 3)}
+        record("P killed with 8 requests in flight: Ds idle", wait_idle(cluster["decode"], cluster["decode_rc"]))
+    finally:
+        restart(cluster, "prefill")
+    next_request_succeeds(cluster, seed=99)
     everything_idle(cluster)
