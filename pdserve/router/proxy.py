@@ -36,19 +36,19 @@ Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions` in P/D mo
    the read itself once its connection closes.
 Colocated mode skips steps 2-3: step 4 sends the body to a round-robin colocated instance.
 POST /tokenize and /detokenize go to a decode (or colocated) instance as they are.
+This module admits requests and serves the routes; hops.py runs steps 2-3 and 8, recovery.py steps 4-6, and
+errors.py words what a client learns of a failure.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import logging
 import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import aiohttp
 from aiohttp import web
@@ -58,24 +58,18 @@ from pdserve.http_guard import (INLINE_PARSE_BYTES, RETRY_AFTER_S, ROUTER_KEY_HE
                                 expect_handler, parse_json, quiet_malformed_requests, read_body, runner_args,
                                 secret_matches)
 from pdserve.metrics import CONTENT_TYPE
-from pdserve.protocol import SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, error_body, sse_event
+from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, error_body
+from pdserve.router.errors import (NETWORK_ERRORS, BackendError, ClientError, describe, json_error, json_errors,
+                                   public_detail)
+from pdserve.router.hops import prefill_hop, release_on_prefill
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.policy import Policy, RoundRobin
-from pdserve.router.relay import MalformedStream, StreamRelay
+from pdserve.router.recovery import final_hop
 
 logger = logging.getLogger(__name__)
 
-NETWORK_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 ROUTER_FIELDS = ("kv_transfer_params", "resume", "router_token_ids")   # dropped from client bodies
 DEFAULT_MAX_RECOVERIES = 2
-
-
-def json_error(message: str, status: int, error_type: str | None = None) -> web.Response:
-    return web.json_response(error_body(message, status=status, type=error_type), status=status)
-
-
-def describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def parse_body(data: bytes, schema=None) -> dict:
@@ -89,74 +83,6 @@ def parse_body(data: bytes, schema=None) -> dict:
     except ProtocolError as e:
         raise ClientError(e.status, e.message, e.param) from None
     return body
-
-
-class ClientError(Exception):
-    """The client's request is refused before any backend sees it."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return web.json_response(error_body(self.message, status=self.status, param=self.param),
-                                 status=self.status, headers=headers)
-
-
-def kv_transfer_params_of(data: bytes) -> dict | None:
-    """The top-level kv_transfer_params of a P's JSON answer; None if missing."""
-    try:
-        answer = json.loads(data)
-    except ValueError:
-        return None
-    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-    return params if isinstance(params, dict) else None
-
-
-def error_message_of(data: bytes) -> str | None:
-    """The message of an OpenAI-style error body, cut to 500 characters; None if there is none."""
-    try:
-        error = json.loads(data).get("error")
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    message = error.get("message") if isinstance(error, dict) else None
-    return message[:500] if isinstance(message, str) and message else None
-
-
-class BackendError(Exception):
-    """A hop failed. `body` set: the backend's own 4xx, passed through; else a 502 naming the backend by its
-    pool and index. str(e) (for the log) has the URL and detail; the client's message has neither."""
-
-    def __init__(self, role: str, url: str, detail: str, status: int = 502, body: bytes | None = None,
-                 content_type: str = "application/json", never_took_request: bool = False,
-                 public_detail: str = "failed", retry_after: str | None = None) -> None:
-        super().__init__(f"{role} backend {url} failed: {detail}")
-        self.role, self.url, self.public_detail = role, url, public_detail
-        self.status, self.body, self.content_type, self.retry_after = status, body, content_type, retry_after
-        # connection error, timeout, 5xx, 503 at capacity; never the client's 4xx
-        self.is_retryable = body is None or retry_after is not None
-        # Certain only where no connection was made or the backend answered with an error status.
-        self.never_took_request = never_took_request
-
-    def public_message(self, names: dict[str, str]) -> str:
-        return f"the {names.get(self.url, self.role)} instance {self.public_detail}"
-
-    def response(self, names: dict[str, str]) -> web.Response:
-        if self.body is not None:
-            headers = {"Content-Type": self.content_type}
-            if self.retry_after is not None:
-                headers["Retry-After"] = self.retry_after
-            return web.Response(status=self.status, body=self.body, headers=headers)
-        return json_error(self.public_message(names), self.status, "backend_error")
-
-
-def public_detail(e: BaseException) -> str:
-    """What a client may learn of a network failure: its kind, not the address or the exception."""
-    if isinstance(e, asyncio.TimeoutError):
-        return "timed out"
-    if isinstance(e, aiohttp.ClientConnectorError):
-        return "is unreachable"
-    return "dropped the connection"
 
 
 class Proxy:
@@ -226,11 +152,11 @@ class Proxy:
                 body.pop(field, None)
             start, headers = time.monotonic(), self.backend_headers(request_id)
             if self.colocated is not None:  # colocated: no prefill hop
-                return await self.final_hop(request, "colocated", self.colocated, body, headers, start)
-            prefill_url, kv_transfer_params = await self.prefill_hop(request.path, body, headers, is_chat)
-            return await self.final_hop(
-                request, "decode", self.decode, body, headers, start, kv_transfer_params=kv_transfer_params,
-                release=lambda: self.release_on_prefill(prefill_url, kv_transfer_params, headers))
+                return await final_hop(self, request, "colocated", self.colocated, body, headers, start)
+            prefill_url, kv_transfer_params = await prefill_hop(self, request.path, body, headers, is_chat)
+            return await final_hop(
+                self, request, "decode", self.decode, body, headers, start, kv_transfer_params=kv_transfer_params,
+                release=lambda: release_on_prefill(self, prefill_url, kv_transfer_params, headers))
         except ClientError as e:
             self.metrics.num_errors.inc()
             return e.response()
@@ -245,208 +171,6 @@ class Proxy:
         finally:
             self.num_in_flight -= 1
             self.metrics.num_in_flight.dec()
-
-    async def read(self, role: str, url: str, resp: aiohttp.ClientResponse) -> bytes:
-        try:
-            return await resp.read()
-        except NETWORK_ERRORS as e:
-            raise BackendError(role, url, describe(e), public_detail=public_detail(e)) from e
-        finally:
-            resp.close()
-
-    async def post(self, role: str, url: str, path: str, body: dict, headers: dict) -> aiohttp.ClientResponse:
-        """POST body to url+path; return the 2xx response still unread, or raise BackendError."""
-        self.metrics.backend_request(role, self.names[url])
-        try:
-            resp = await self.session.post(url + path, json=body, headers=headers)
-        except NETWORK_ERRORS as e:
-            raise BackendError(role, url, describe(e), public_detail=public_detail(e),
-                               never_took_request=isinstance(e, aiohttp.ClientConnectorError)) from e
-        if resp.status < 400:
-            return resp
-        data = await self.read(role, url, resp)
-        if resp.status in (401, 403):  # the backend refused the router itself: a deployment error
-            raise BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')} (do the "
-                                          f"router and the instances share one router key?)",
-                               public_detail="refused the router", never_took_request=True)
-        if resp.status < 500:  # the client's mistake: its own status and body
-            raise BackendError(role, url, f"HTTP {resp.status}", resp.status, data,
-                               resp.headers.get("Content-Type", "application/json"), never_took_request=True)
-        if resp.status == 503:  # at capacity: the client should back off as the backend says (another P first)
-            raise BackendError(role, url, "HTTP 503 (at capacity)", 503, data,
-                               resp.headers.get("Content-Type", "application/json"), never_took_request=True,
-                               retry_after=resp.headers.get("Retry-After", str(RETRY_AFTER_S)))
-        message = error_message_of(data)  # a pdserve instance words its errors for clients already
-        raise BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')}",
-                           public_detail=f"failed: {message}" if message else f"failed (HTTP {resp.status})",
-                           never_took_request=True)
-
-    async def prefill_hop(self, path: str, body: dict, headers: dict, is_chat: bool) -> tuple[str, dict]:
-        """(the P that answered, its kv_transfer_params)."""
-        prefill_body = dict(body, kv_transfer_params={"do_remote_decode": True}, stream=False)
-        prefill_body.pop("stream_options", None)
-        start, failed_urls = time.monotonic(), []
-        while (url := self.prefill.pick(exclude=failed_urls)) is not None:
-            try:
-                data = await self.read("prefill", url, await self.post("prefill", url, path, prefill_body, headers))
-            except BackendError as e:
-                if e.body is None:  # the backend's fault (not a 4xx, not a 503 at capacity)
-                    self.metrics.backend_error("prefill", self.names[url])
-                failed_urls.append(url)
-                if not e.is_retryable or len(failed_urls) == 2 or len(self.prefill.urls) == 1:
-                    raise
-                logger.warning("request %s: %s; retrying on another P", headers["X-Request-Id"], e)
-                self.metrics.num_prefill_retries.inc()
-                error = e
-                continue
-            finally:
-                self.prefill.release(url)
-            if (params := kv_transfer_params_of(data)) is None:
-                self.metrics.backend_error("prefill", self.names[url])
-                raise BackendError("prefill", url, "no kv_transfer_params in its answer (is it a KV producer?)",
-                                   public_detail="answered without kv_transfer_params (is it a KV producer?)")
-            self.metrics.prefill_seconds.observe(time.monotonic() - start)
-            return url, params
-        raise error  # every P failed (with one P: no retry)
-
-    def release_on_prefill(self, url: str, kv_transfer_params: dict, headers: dict) -> None:
-        async def release() -> None:
-            try:
-                async with self.session.post(url + "/v1/kv/release", json={"kv_transfer_params": kv_transfer_params},
-                                             headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                    if resp.status >= 400:
-                        logger.info("request %s: release on %s: HTTP %d", headers["X-Request-Id"], url, resp.status)
-            except (*NETWORK_ERRORS, RuntimeError) as e:  # (a closed session); P frees at lease expiry
-                logger.info("request %s: release on %s failed: %s", headers["X-Request-Id"], url, describe(e))
-        self.metrics.num_kv_releases.inc()
-        task = asyncio.get_running_loop().create_task(release())
-        self.releases.add(task)
-        task.add_done_callback(self.releases.discard)
-
-    async def final_hop(self, request: web.Request, role: str, pool: Policy, body: dict, headers: dict,
-                        start: float, *, kv_transfer_params: dict | None = None,
-                        release: Callable[[], None] | None = None) -> web.StreamResponse:
-        """The decode (or colocated) hop: the client's body, with P's kv_transfer_params in P/D mode. When the
-        instance serving it fails (no answer, a 5xx, a dropped or broken stream), the request is resumed on
-        another instance of the pool, at most max_recoveries times: resubmitted without kv_transfer_params
-        (that instance computes the prompt itself) and, for a stream that has begun, with the tokens the
-        client has received (`resume`), so the client's stream goes on where it stopped. `release`: P's
-        blocks are not needed after all (the first hop never reached a D)."""
-        is_stream = bool(body.get("stream"))
-        relay = StreamRelay() if is_stream else None
-        hop_body = dict(body, router_token_ids=True) if is_stream else dict(body)
-        if kv_transfer_params is not None:
-            hop_body["kv_transfer_params"] = kv_transfer_params
-        out: web.StreamResponse | None = None   # the client's stream, once begun
-        failed: list[str] = []
-        url = pool.pick()
-        while True:
-            try:
-                try:
-                    resp = await self.post(role, url, request.path, hop_body, headers)
-                except BackendError as e:
-                    if e.never_took_request and release is not None and not failed:
-                        release()
-                    raise
-                try:
-                    if not is_stream:
-                        data = await self.read(role, url, resp)
-                        self.metrics.ttft.observe(time.monotonic() - start)
-                        return web.Response(status=resp.status, body=data, headers={
-                            "Content-Type": resp.headers.get("Content-Type", "application/json"),
-                            "X-Request-Id": headers["X-Request-Id"]})
-                    if out is None:
-                        out = web.StreamResponse(status=resp.status, headers={
-                            "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-                            "Cache-Control": "no-cache", "X-Request-Id": headers["X-Request-Id"]})
-                        await out.prepare(request)
-                    relay.start_hop(is_resumed=bool(failed))
-                    start = await self.stream(out, role, url, resp, relay, start)
-                    await out.write_eof()
-                    return out
-                finally:
-                    resp.close()  # unread: drops the connection, so the backend aborts the request
-            except BackendError as e:
-                error = e
-            except ConnectionResetError:  # the client went away; D's connection is closed, so D aborts
-                self.metrics.num_client_disconnects.inc()
-                return out
-            finally:
-                pool.release(url)
-            if error.body is None:
-                self.metrics.backend_error(role, self.names[url])
-            failed.append(url)
-            reason, url = self.why_not_resume(error, relay, pool, failed)
-            if reason is None:
-                logger.warning("request %s: %s; resuming on %s after %d tokens", headers["X-Request-Id"], error,
-                               self.names[url], relay.num_tokens if relay else 0)
-                self.metrics.num_recoveries.inc()
-                hop_body = dict(body, router_token_ids=True) if is_stream else dict(body)
-                if relay is not None and relay.num_tokens:
-                    hop_body["resume"] = {"token_ids": relay.resume_token_ids(), "num_tokens": relay.num_tokens}
-                continue
-            if reason != "not_recoverable":
-                self.metrics.num_recovery_failures.labels(reason=reason).inc()
-            if out is None:
-                raise error
-            await self.end_with_error(out, error, relay, headers)
-            return out
-
-    def why_not_resume(self, error: BackendError, relay: StreamRelay | None, pool: Policy,
-                       failed: list[str]) -> tuple[str | None, str | None]:
-        """(None, the instance to resume on), or (why not, None)."""
-        if not error.is_retryable or (relay is not None and relay.error_event is not None
-                                      and not relay.error_is_recoverable):
-            return "not_recoverable", None   # the client's 4xx, or its own deadline: the same anywhere
-        if relay is not None and relay.is_finished:
-            return "after_finish", None
-        if relay is not None and not relay.is_tracked:
-            return "untracked", None
-        if len(failed) > self.max_recoveries:
-            return "limit", None
-        url = pool.pick(exclude=failed)
-        return ("no_backend", None) if url is None else (None, url)
-
-    async def end_with_error(self, out: web.StreamResponse, error: BackendError, relay: StreamRelay,
-                             headers: dict) -> None:
-        """The stream began and cannot go on: the instance's own error event if it sent one, else an SSE
-        error event naming it, then [DONE]."""
-        logger.warning("request %s: %s", headers["X-Request-Id"], error)
-        self.metrics.num_errors.inc()
-        event = relay.error_event or sse_event(error_body(error.public_message(self.names), status=502,
-                                                          type="backend_error"))
-        with contextlib.suppress(ConnectionError):
-            await out.write(event + SSE_DONE)
-            await out.write_eof()
-
-    async def stream(self, out: web.StreamResponse, role: str, url: str, resp: aiohttp.ClientResponse,
-                     relay: StreamRelay, start: float | None) -> float | None:
-        """Relay one hop's events to the client until its [DONE]; BackendError when the hop fails first
-        (the connection dropped or timed out, the stream ended early or is malformed, or the instance sent
-        an error event). Returns `start`, None once the first bytes went out (time to first token)."""
-        while True:
-            try:
-                chunk = await resp.content.readany()
-            except NETWORK_ERRORS as e:
-                raise BackendError(role, url, f"{describe(e)} (mid-stream)",
-                                   public_detail=f"{public_detail(e)} mid-stream") from e
-            if not chunk:
-                if relay.error_event is not None:
-                    raise BackendError(role, url, f"error event mid-stream: {relay.error_event[:300]!r}",
-                                       public_detail="failed mid-stream")
-                if not relay.is_done:
-                    raise BackendError(role, url, "the stream ended before [DONE]",
-                                       public_detail="dropped the connection mid-stream")
-                return start
-            try:
-                data = relay.feed(chunk)
-            except MalformedStream as e:
-                raise BackendError(role, url, str(e), public_detail="sent a malformed stream") from e
-            if data:
-                if start is not None:  # the first bytes
-                    self.metrics.ttft.observe(time.monotonic() - start)
-                    start = None
-                await out.write(data)
 
     async def passthrough(self, request: web.Request) -> web.Response:
         """GET /v1/models, POST /tokenize, /detokenize: asked of one decode (or colocated) instance."""
@@ -499,25 +223,6 @@ class Proxy:
 
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
-
-
-@web.middleware
-async def json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """aiohttp's own 404 / 405 / 413 as OpenAI-style JSON, like every other answer; anything unexpected a
-    JSON 500 whose details stay in the log."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
-        return web.json_response(error_body(f"{e.reason}: {request.method} {request.path}", status=e.status),
-                                 status=e.status, headers=headers)
-    except (asyncio.CancelledError, ConnectionError):
-        raise
-    except Exception:  # noqa: BLE001 - nothing a client sends may take the router down
-        logger.exception("%s %s failed", request.method, request.path)
-        return web.json_response(error_body("internal server error", status=500), status=500)
 
 
 def normalize_url(url: str) -> str:

@@ -1,0 +1,110 @@
+"""The router's calls to its instances: one POST and its failures as BackendError, the prefill hop (steps 2-3
+of the request lifecycle in proxy.py) and the release of P's blocks no D took (step 8)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from pdserve.http_guard import RETRY_AFTER_S
+from pdserve.router.errors import NETWORK_ERRORS, BackendError, describe, error_message_of, public_detail
+
+if TYPE_CHECKING:
+    from pdserve.router.proxy import Proxy
+
+logger = logging.getLogger(__name__)
+
+
+def kv_transfer_params_of(data: bytes) -> dict | None:
+    """The top-level kv_transfer_params of a P's JSON answer; None if missing."""
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        return None
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    return params if isinstance(params, dict) else None
+
+
+async def read(role: str, url: str, resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except NETWORK_ERRORS as e:
+        raise BackendError(role, url, describe(e), public_detail=public_detail(e)) from e
+    finally:
+        resp.close()
+
+
+async def post(proxy: Proxy, role: str, url: str, path: str, body: dict, headers: dict) -> aiohttp.ClientResponse:
+    """POST body to url+path; return the 2xx response still unread, or raise BackendError."""
+    proxy.metrics.backend_request(role, proxy.names[url])
+    try:
+        resp = await proxy.session.post(url + path, json=body, headers=headers)
+    except NETWORK_ERRORS as e:
+        raise BackendError(role, url, describe(e), public_detail=public_detail(e),
+                           never_took_request=isinstance(e, aiohttp.ClientConnectorError)) from e
+    if resp.status < 400:
+        return resp
+    data = await read(role, url, resp)
+    if resp.status in (401, 403):  # the backend refused the router itself: a deployment error
+        raise BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')} (do the "
+                                      f"router and the instances share one router key?)",
+                           public_detail="refused the router", never_took_request=True)
+    if resp.status < 500:  # the client's mistake: its own status and body
+        raise BackendError(role, url, f"HTTP {resp.status}", resp.status, data,
+                           resp.headers.get("Content-Type", "application/json"), never_took_request=True)
+    if resp.status == 503:  # at capacity: the client should back off as the backend says (another P first)
+        raise BackendError(role, url, "HTTP 503 (at capacity)", 503, data,
+                           resp.headers.get("Content-Type", "application/json"), never_took_request=True,
+                           retry_after=resp.headers.get("Retry-After", str(RETRY_AFTER_S)))
+    message = error_message_of(data)  # a pdserve instance words its errors for clients already
+    raise BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')}",
+                       public_detail=f"failed: {message}" if message else f"failed (HTTP {resp.status})",
+                       never_took_request=True)
+
+
+async def prefill_hop(proxy: Proxy, path: str, body: dict, headers: dict, is_chat: bool) -> tuple[str, dict]:
+    """(the P that answered, its kv_transfer_params)."""
+    prefill_body = dict(body, kv_transfer_params={"do_remote_decode": True}, stream=False)
+    prefill_body.pop("stream_options", None)
+    start, failed_urls = time.monotonic(), []
+    while (url := proxy.prefill.pick(exclude=failed_urls)) is not None:
+        try:
+            data = await read("prefill", url, await post(proxy, "prefill", url, path, prefill_body, headers))
+        except BackendError as e:
+            if e.body is None:  # the backend's fault (not a 4xx, not a 503 at capacity)
+                proxy.metrics.backend_error("prefill", proxy.names[url])
+            failed_urls.append(url)
+            if not e.is_retryable or len(failed_urls) == 2 or len(proxy.prefill.urls) == 1:
+                raise
+            logger.warning("request %s: %s; retrying on another P", headers["X-Request-Id"], e)
+            proxy.metrics.num_prefill_retries.inc()
+            error = e
+            continue
+        finally:
+            proxy.prefill.release(url)
+        if (params := kv_transfer_params_of(data)) is None:
+            proxy.metrics.backend_error("prefill", proxy.names[url])
+            raise BackendError("prefill", url, "no kv_transfer_params in its answer (is it a KV producer?)",
+                               public_detail="answered without kv_transfer_params (is it a KV producer?)")
+        proxy.metrics.prefill_seconds.observe(time.monotonic() - start)
+        return url, params
+    raise error  # every P failed (with one P: no retry)
+
+
+def release_on_prefill(proxy: Proxy, url: str, kv_transfer_params: dict, headers: dict) -> None:
+    async def release() -> None:
+        try:
+            async with proxy.session.post(url + "/v1/kv/release", json={"kv_transfer_params": kv_transfer_params},
+                                          headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                if resp.status >= 400:
+                    logger.info("request %s: release on %s: HTTP %d", headers["X-Request-Id"], url, resp.status)
+        except (*NETWORK_ERRORS, RuntimeError) as e:  # (a closed session); P frees at lease expiry
+            logger.info("request %s: release on %s failed: %s", headers["X-Request-Id"], url, describe(e))
+    proxy.metrics.num_kv_releases.inc()
+    task = asyncio.get_running_loop().create_task(release())
+    proxy.releases.add(task)
+    task.add_done_callback(proxy.releases.discard)

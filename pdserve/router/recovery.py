@@ -1,0 +1,156 @@
+"""The decode (or colocated) hop and its recovery: steps 4-6 of the request lifecycle in proxy.py.
+
+The hop's answer goes to the client as D's JSON or, streaming, as D's events relayed whole (relay.py).
+When the instance serving the request fails, the request is resumed on another instance of the pool
+with the tokens the client has already received, and the client reads one ordinary stream.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.protocol import SSE_DONE, error_body, sse_event
+from pdserve.router.errors import NETWORK_ERRORS, BackendError, describe, public_detail
+from pdserve.router.hops import post, read
+from pdserve.router.policy import Policy
+from pdserve.router.relay import MalformedStream, StreamRelay
+
+if TYPE_CHECKING:
+    from pdserve.router.proxy import Proxy
+
+logger = logging.getLogger(__name__)
+
+
+async def final_hop(proxy: Proxy, request: web.Request, role: str, pool: Policy, body: dict, headers: dict,
+                    start: float, *, kv_transfer_params: dict | None = None,
+                    release: Callable[[], None] | None = None) -> web.StreamResponse:
+    """The decode (or colocated) hop: the client's body, with P's kv_transfer_params in P/D mode. When the
+    instance serving it fails (no answer, a 5xx, a dropped or broken stream), the request is resumed on
+    another instance of the pool, at most max_recoveries times: resubmitted without kv_transfer_params
+    (that instance computes the prompt itself) and, for a stream that has begun, with the tokens the
+    client has received (`resume`), so the client's stream goes on where it stopped. `release`: P's
+    blocks are not needed after all (the first hop never reached a D)."""
+    is_stream = bool(body.get("stream"))
+    relay = StreamRelay() if is_stream else None
+    hop_body = dict(body, router_token_ids=True) if is_stream else dict(body)
+    if kv_transfer_params is not None:
+        hop_body["kv_transfer_params"] = kv_transfer_params
+    out: web.StreamResponse | None = None   # the client's stream, once begun
+    failed: list[str] = []
+    url = pool.pick()
+    while True:
+        try:
+            try:
+                resp = await post(proxy, role, url, request.path, hop_body, headers)
+            except BackendError as e:
+                if e.never_took_request and release is not None and not failed:
+                    release()
+                raise
+            try:
+                if not is_stream:
+                    data = await read(role, url, resp)
+                    proxy.metrics.ttft.observe(time.monotonic() - start)
+                    return web.Response(status=resp.status, body=data, headers={
+                        "Content-Type": resp.headers.get("Content-Type", "application/json"),
+                        "X-Request-Id": headers["X-Request-Id"]})
+                if out is None:
+                    out = web.StreamResponse(status=resp.status, headers={
+                        "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                        "Cache-Control": "no-cache", "X-Request-Id": headers["X-Request-Id"]})
+                    await out.prepare(request)
+                relay.start_hop(is_resumed=bool(failed))
+                start = await stream(proxy, out, role, url, resp, relay, start)
+                await out.write_eof()
+                return out
+            finally:
+                resp.close()  # unread: drops the connection, so the backend aborts the request
+        except BackendError as e:
+            error = e
+        except ConnectionResetError:  # the client went away; D's connection is closed, so D aborts
+            proxy.metrics.num_client_disconnects.inc()
+            return out
+        finally:
+            pool.release(url)
+        if error.body is None:
+            proxy.metrics.backend_error(role, proxy.names[url])
+        failed.append(url)
+        reason, url = why_not_resume(error, relay, pool, failed, proxy.max_recoveries)
+        if reason is None:
+            logger.warning("request %s: %s; resuming on %s after %d tokens", headers["X-Request-Id"], error,
+                           proxy.names[url], relay.num_tokens if relay else 0)
+            proxy.metrics.num_recoveries.inc()
+            hop_body = dict(body, router_token_ids=True) if is_stream else dict(body)
+            if relay is not None and relay.num_tokens:
+                hop_body["resume"] = {"token_ids": relay.resume_token_ids(), "num_tokens": relay.num_tokens}
+            continue
+        if reason != "not_recoverable":
+            proxy.metrics.num_recovery_failures.labels(reason=reason).inc()
+        if out is None:
+            raise error
+        await end_with_error(proxy, out, error, relay, headers)
+        return out
+
+
+def why_not_resume(error: BackendError, relay: StreamRelay | None, pool: Policy, failed: list[str],
+                   max_recoveries: int) -> tuple[str | None, str | None]:
+    """(None, the instance to resume on), or (why not, None)."""
+    if not error.is_retryable or (relay is not None and relay.error_event is not None
+                                  and not relay.error_is_recoverable):
+        return "not_recoverable", None   # the client's 4xx, or its own deadline: the same anywhere
+    if relay is not None and relay.is_finished:
+        return "after_finish", None
+    if relay is not None and not relay.is_tracked:
+        return "untracked", None
+    if len(failed) > max_recoveries:
+        return "limit", None
+    url = pool.pick(exclude=failed)
+    return ("no_backend", None) if url is None else (None, url)
+
+
+async def end_with_error(proxy: Proxy, out: web.StreamResponse, error: BackendError, relay: StreamRelay,
+                         headers: dict) -> None:
+    """The stream began and cannot go on: the instance's own error event if it sent one, else an SSE
+    error event naming it, then [DONE]."""
+    logger.warning("request %s: %s", headers["X-Request-Id"], error)
+    proxy.metrics.num_errors.inc()
+    event = relay.error_event or sse_event(error_body(error.public_message(proxy.names), status=502,
+                                                      type="backend_error"))
+    with contextlib.suppress(ConnectionError):
+        await out.write(event + SSE_DONE)
+        await out.write_eof()
+
+
+async def stream(proxy: Proxy, out: web.StreamResponse, role: str, url: str, resp: aiohttp.ClientResponse,
+                 relay: StreamRelay, start: float | None) -> float | None:
+    """Relay one hop's events to the client until its [DONE]; BackendError when the hop fails first
+    (the connection dropped or timed out, the stream ended early or is malformed, or the instance sent
+    an error event). Returns `start`, None once the first bytes went out (time to first token)."""
+    while True:
+        try:
+            chunk = await resp.content.readany()
+        except NETWORK_ERRORS as e:
+            raise BackendError(role, url, f"{describe(e)} (mid-stream)",
+                               public_detail=f"{public_detail(e)} mid-stream") from e
+        if not chunk:
+            if relay.error_event is not None:
+                raise BackendError(role, url, f"error event mid-stream: {relay.error_event[:300]!r}",
+                                   public_detail="failed mid-stream")
+            if not relay.is_done:
+                raise BackendError(role, url, "the stream ended before [DONE]",
+                                   public_detail="dropped the connection mid-stream")
+            return start
+        try:
+            data = relay.feed(chunk)
+        except MalformedStream as e:
+            raise BackendError(role, url, str(e), public_detail="sent a malformed stream") from e
+        if data:
+            if start is not None:  # the first bytes
+                proxy.metrics.ttft.observe(time.monotonic() - start)
+                start = None
+            await out.write(data)
