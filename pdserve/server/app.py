@@ -86,7 +86,7 @@ class _Generation:
                 self._is_counted = True
                 raise ProtocolError(400, str(e)) from None
             output = _error_output(self.request_id, f"engine error: {e}")
-        except Exception as e:   # noqa: BLE001 - an engine failure ends this request, not the server
+        except Exception:   # noqa: BLE001 - an engine failure ends this request, not the server
             logger.exception("request %s: engine failed", self.request_id)
             output = _error_output(self.request_id, "internal engine error")   # details: the log above
         else:

@@ -25,7 +25,7 @@ from tests.server.fake_engine import WORDS
 
 from . import strategies as s
 from .common import (FUZZ_SCALE, GENERATION_ROUTES, MAX_BODY_BYTES, MAX_MODEL_LEN, MAX_PROMPT_CHARS, TOKENIZER,
-                     VOCAB_SIZE, ErrorLog, FuzzEngine, LoopThread, Tally, check_answer, fuzz_settings,
+                     VOCAB_SIZE, FuzzEngine, LoopThread, Tally, check_answer, fuzz_settings,
                      raw_request)
 
 POST_ROUTES = (*GENERATION_ROUTES, "/tokenize", "/detokenize", "/v1/kv/release")
@@ -87,20 +87,6 @@ def _loads(body: bytes | None):
         return json.loads(body) if body else None
     except (ValueError, RecursionError):
         return None
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = LoopThread()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def errors():
-    log = ErrorLog()
-    with log.installed():
-        yield log
 
 
 @pytest.fixture(scope="module")

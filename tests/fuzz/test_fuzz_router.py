@@ -29,7 +29,7 @@ from tests.server.fake_engine import WORDS
 
 from . import strategies as s
 from .common import (GENERATION_ROUTES, MAX_BODY_BYTES, MAX_MODEL_LEN, MAX_PROMPT_CHARS, TOKENIZER, VOCAB_SIZE,
-                     ErrorLog, FuzzEngine, LoopThread, Tally, check_answer, fuzz_settings, raw_request)
+                     FuzzEngine, LoopThread, Tally, check_answer, fuzz_settings, raw_request)
 
 PASSTHROUGH_ROUTES = ("/v1/models", "/tokenize", "/detokenize")
 OPEN_ROUTES = ("/health", "/metrics")
@@ -149,20 +149,6 @@ class Router:
 P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-engine",
             "remote_request_id": "r-1", "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 1,
             "tp_size": 1}
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = LoopThread()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def errors():
-    log = ErrorLog()
-    with log.installed():
-        yield log
 
 
 @pytest.fixture(scope="module")
