@@ -38,7 +38,6 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import jinja2
 from aiohttp import web
 
 from pdserve import protocol
@@ -48,8 +47,9 @@ from pdserve.http_guard import (INLINE_PARSE_BYTES, RETRY_AFTER_S, ROUTER_KEY_HE
                                 secret_matches)
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.outputs import FinishReason, RequestOutput
-from pdserve.protocol import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, ProtocolError
+from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from pdserve.server.metrics import ServerMetrics
+from pdserve.tokenization import apply_chat_template, detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class OpenAIServer:
             req = await self._parse(request, CompletionRequest)
             if isinstance(req.prompt, str):
                 self._check_prompt_chars(len(req.prompt), "prompt")
-                prompt_token_ids = await self._tokenize_in_lane(len(req.prompt), _tokenize, req.prompt)
+                prompt_token_ids = await self._tokenize_in_lane(len(req.prompt), tokenize, req.prompt)
             else:
                 prompt_token_ids = req.prompt
             return await self._generate(request, req, prompt_token_ids, is_chat=False)
@@ -272,7 +272,7 @@ class OpenAIServer:
             req = await self._parse(request, ChatCompletionRequest)
             num_chars = sum(len(m["content"]) for m in req.messages)
             self._check_prompt_chars(num_chars, "messages")
-            prompt_token_ids = await self._tokenize_in_lane(num_chars, _apply_chat_template, req)
+            prompt_token_ids = await self._tokenize_in_lane(num_chars, apply_chat_template, req)
             return await self._generate(request, req, prompt_token_ids, is_chat=True)
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -288,13 +288,13 @@ class OpenAIServer:
         if is_chat:
             num_chars = sum(len(m["content"]) for m in req.messages)
             self._check_prompt_chars(num_chars, "messages")
-            token_ids = await self._tokenize_in_lane(num_chars, _apply_chat_template, req)
+            token_ids = await self._tokenize_in_lane(num_chars, apply_chat_template, req)
         elif isinstance(req.prompt, str):
             self._check_prompt_chars(len(req.prompt), "prompt")
             add_special_tokens = body.get("add_special_tokens", True)
             if not isinstance(add_special_tokens, bool):
                 raise ProtocolError(400, "add_special_tokens: expected a boolean", "add_special_tokens")
-            token_ids = await self._tokenize_in_lane(len(req.prompt), _tokenize, req.prompt, add_special_tokens)
+            token_ids = await self._tokenize_in_lane(len(req.prompt), tokenize, req.prompt, add_special_tokens)
         else:
             token_ids = req.prompt
             self._check_token_ids(token_ids, "prompt")
@@ -313,7 +313,7 @@ class OpenAIServer:
             raise ProtocolError(400, "tokens: expected a list of token ids", "tokens")
         self._check_model(body.get("model"))
         self._check_token_ids(tokens, "tokens")
-        text = await self._tokenize_in_lane(len(tokens), _detokenize, tokens)
+        text = await self._tokenize_in_lane(len(tokens), detokenize, tokens)
         return web.json_response({"prompt": text})
 
     # ------------------------------------------------------------------ the door
@@ -542,35 +542,6 @@ def _usage(output: RequestOutput) -> dict[str, Any]:
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
-
-
-def _tokenize(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
-    try:
-        return [int(t) for t in tokenizer(text, add_special_tokens=add_special_tokens).input_ids]
-    except Exception:   # noqa: BLE001 - e.g. lone surrogates the Rust tokenizer refuses
-        raise ProtocolError(400, "cannot tokenize the prompt (invalid characters?)", "prompt") from None
-
-
-def _detokenize(tokenizer: Any, token_ids: list[int]) -> str:
-    return tokenizer.decode(token_ids)
-
-
-def _apply_chat_template(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    # protocol.py refuses reserved keys; dropping them again keeps this safe for any caller.
-    kwargs = {k: v for k, v in req.chat_template_kwargs.items() if k not in RESERVED_TEMPLATE_KWARGS}
-    try:
-        result = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                               tokenize=True, **kwargs)
-    except Exception as e:   # noqa: BLE001 - template errors (role order, missing template) are the request's
-        # jinja2's TemplateError text is the template's own message (e.g. "roles must alternate").
-        reason = str(e) if isinstance(e, jinja2.TemplateError) else "the messages do not fit it"
-        raise ProtocolError(400, f"cannot apply the chat template: {reason}", "messages") from None
-    # transformers 5 returns a BatchEncoding (a Mapping), older versions a list of ids.
-    if isinstance(result, Mapping):
-        result = result["input_ids"]
-    if result and isinstance(result[0], list):
-        result = result[0]
-    return [int(t) for t in result]
 
 
 def _engine_health(engine: Any) -> tuple[bool, str]:
