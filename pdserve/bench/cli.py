@@ -39,9 +39,20 @@ per second) and SLO attainment (fraction of all requests meeting both). Token co
 server's usage. Failed requests (HTTP or connection error, error event, no [DONE]) are counted as
 failed with their error kept, and never meet the SLO.
 
-Datasets: random (completions: prompts as token id lists from --vocab-range; chat: random common
-words), prefix-shared (--prefix-len shared tokens + a unique random suffix of --input-len), or a .jsonl
-file of {"prompt": str} or {"messages": [...]}, with optional "output_len".
+Datasets (--dataset):
+  random         completions: prompts as token id lists from --vocab-range; chat: random common words
+  prefix-shared  --prefix-len shared tokens + a unique random suffix of --input-len
+  mixed          independent requests, --short-fraction of them short (--short-len) and the rest long
+                 (--long-len); built as random's
+  multi-turn     --num-users conversations of --num-turns turns (--num-prompts is not used). Users share
+                 --num-groups system prompts of --prefix-len words (user u has system prompt u mod
+                 --num-groups); each turn resends the whole history (system prompt, earlier user messages
+                 and the answers streamed back, of up to --output-len tokens) plus a new user message of
+                 --turn-len words, and is sent when the turn before it has finished. New conversations
+                 arrive at the request rate. Text on both endpoints (completions: a "User:"/"Assistant:"
+                 transcript). Also reports TTFT p50 and mean prompt tokens per turn.
+  FILE.jsonl     {"prompt": str} or {"messages": [...]} per line, with optional "output_len"
+Text prompts are common English words, about one token each for the default model's tokenizer.
 
 example: pdserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4 \\
              --input-len 512 --output-len 128 --slo-ttft-ms 500 --slo-tpot-ms 50 --out r.json --plot r.png
@@ -100,7 +111,8 @@ def _add_workload_args(p: argparse.ArgumentParser, *, is_sweep: bool, starts_ser
     target.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
     work = p.add_argument_group("workload")
-    work.add_argument("--dataset", default="random", help="random | prefix-shared | FILE.jsonl")
+    work.add_argument("--dataset", default="random",
+                      help="random | prefix-shared | mixed | multi-turn | FILE.jsonl (see the description)")
     work.add_argument("--num-prompts", type=_positive_int, default=100, help="requests per run")
     work.add_argument("--input-len", type=_positive_int, default=512,
                       help="prompt tokens (random part, after the shared prefix for prefix-shared)")
@@ -110,7 +122,8 @@ def _add_workload_args(p: argparse.ArgumentParser, *, is_sweep: bool, starts_ser
                       help="lengths uniform in [len*(1-r), len*(1+r)]")
     work.add_argument("--output-range-ratio", type=float, default=None,
                       help="the output lengths' r, when it differs from --range-ratio")
-    work.add_argument("--prefix-len", type=_positive_int, default=256, help="shared prefix tokens (prefix-shared)")
+    work.add_argument("--prefix-len", type=_positive_int, default=256,
+                      help="shared prefix tokens (prefix-shared), or words of each group's system prompt (multi-turn)")
     work.add_argument("--vocab-range", type=int, nargs=2, default=[1000, 20000], metavar=("LOW", "HIGH"),
                       help="random token ids are drawn from [LOW, HIGH)")
     work.add_argument("--ignore-eos", action="store_true", help="ask the server to generate all max_tokens")
@@ -118,6 +131,21 @@ def _add_workload_args(p: argparse.ArgumentParser, *, is_sweep: bool, starts_ser
     work.add_argument("--extra-body", type=_json_object, default=None,
                       help="JSON object merged into every request body")
     work.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
+
+    turns = p.add_argument_group("multi-turn dataset")
+    turns.add_argument("--num-users", type=_positive_int, default=16, help="conversations, one per user")
+    turns.add_argument("--num-turns", type=_positive_int, default=4, help="requests per conversation")
+    turns.add_argument("--num-groups", type=_positive_int, default=4,
+                       help="distinct system prompts (--prefix-len words each) shared by the users")
+    turns.add_argument("--turn-len", type=_positive_int, default=64,
+                       help="words of each new user message (varied by --range-ratio)")
+
+    mixed = p.add_argument_group("mixed dataset")
+    mixed.add_argument("--short-fraction", type=float, default=0.8, help="share of short prompts, in [0, 1]")
+    mixed.add_argument("--short-len", type=int, nargs=2, default=[32, 128], metavar=("LOW", "HIGH"),
+                       help="short prompt tokens, uniform in [LOW, HIGH]")
+    mixed.add_argument("--long-len", type=int, nargs=2, default=[1024, 2048], metavar=("LOW", "HIGH"),
+                       help="long prompt tokens, uniform in [LOW, HIGH]")
 
     load = p.add_argument_group("load")
     if is_sweep:
@@ -177,7 +205,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         request_rate=getattr(args, "request_rate", float("inf")), burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed, api_key=args.api_key,
-        extra_body=args.extra_body, request_timeout_s=args.request_timeout)
+        extra_body=args.extra_body, request_timeout_s=args.request_timeout, num_users=args.num_users,
+        num_turns=args.num_turns, num_groups=args.num_groups, turn_len=args.turn_len,
+        short_fraction=args.short_fraction, short_len=tuple(args.short_len), long_len=tuple(args.long_len))
     config.validate()
     return config
 

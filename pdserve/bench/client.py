@@ -37,6 +37,10 @@ class RequestRecord:
     prompt_tokens: int | None = None     # from usage
     output_tokens: int | None = None     # from usage
     finish_reason: str | None = None
+    conversation: int | None = None      # multi-turn: the user whose conversation this turn is
+    turn: int | None = None              # multi-turn: the turn's index in its conversation, from 0
+    # the streamed text, kept only when asked (a conversation's next turn resends it); not in to_dict
+    output_text: str | None = field(default=None, repr=False)
 
     @property
     def tpot(self) -> float | None:
@@ -47,7 +51,12 @@ class RequestRecord:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tpot": self.tpot}
+        data = asdict(self)
+        del data["output_text"]
+        for key in ("conversation", "turn"):  # independent requests keep their JSON as before
+            if data[key] is None:
+                del data[key]
+        return {**data, "tpot": self.tpot}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RequestRecord":
@@ -98,16 +107,18 @@ def build_payload(spec: RequestSpec, *, endpoint: str, model: str, ignore_eos: b
     return payload
 
 
-def _chunk_output(data: dict[str, Any]) -> tuple[bool, str | None]:
-    """(does this chunk carry output, its finish_reason)."""
-    has_output, finish_reason = False, None
+def _chunk_output(data: dict[str, Any]) -> tuple[bool, str | None, str]:
+    """(does this chunk carry output, its finish_reason, its answer text)."""
+    has_output, finish_reason, answer = False, None, ""
     for choice in data.get("choices") or ():
         delta = choice.get("delta")
         text = (delta.get("content") or delta.get("reasoning_content")) if isinstance(delta, dict) \
             else choice.get("text")
         has_output = has_output or bool(text) or bool(choice.get("token_ids"))
         finish_reason = choice.get("finish_reason") or finish_reason
-    return has_output, finish_reason
+        # reasoning is not part of the answer a chat client sends back with its history
+        answer += (delta.get("content") or "") if isinstance(delta, dict) else (choice.get("text") or "")
+    return has_output, finish_reason, answer
 
 
 def _error_message(data: Any) -> str:
@@ -119,13 +130,15 @@ def _error_message(data: Any) -> str:
 
 async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[str, Any], *,
                        index: int = 0, bench_start: float | None = None, scheduled_time: float = 0.0,
-                       headers: dict[str, str] | None = None) -> RequestRecord:
-    """Send one streaming request to `url` and measure it; failures come back as records."""
+                       headers: dict[str, str] | None = None, collect_text: bool = False) -> RequestRecord:
+    """Send one streaming request to `url` and measure it; failures come back as records.
+    collect_text: keep the answer's text in the record's output_text."""
     bench_start = time.perf_counter() if bench_start is None else bench_start
     start = time.perf_counter()
     ttft: float | None = None
     last_output: float | None = None
     itls: list[float] = []
+    pieces: list[str] = []
     usage: dict[str, Any] = {}
     finish_reason: str | None = None
     is_done = False
@@ -136,7 +149,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
             index=index, success=success, error=error, scheduled_time=scheduled_time,
             start_time=start - bench_start, ttft=ttft, e2e=end - start, itls=itls,
             prompt_tokens=usage.get("prompt_tokens"), output_tokens=usage.get("completion_tokens"),
-            finish_reason=finish_reason)
+            finish_reason=finish_reason, output_text="".join(pieces) if collect_text else None)
 
     try:
         async with session.post(url, json=payload, headers=headers) as resp:
@@ -176,8 +189,10 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
                         break
                     if data.get("usage"):
                         usage = data["usage"]
-                    has_output, reason = _chunk_output(data)
+                    has_output, reason, text = _chunk_output(data)
                     finish_reason = reason or finish_reason
+                    if collect_text:
+                        pieces.append(text)
                     if has_output:
                         if ttft is None:
                             ttft = now - start

@@ -283,8 +283,9 @@ def _last_line(path: Path) -> str:
 async def _warm_up_and_sweep(bench: BenchConfig, rates: list[float], num_warmup: int,
                              target_attainment: float, progress: bool):
     if num_warmup:
-        warm = await run_benchmark(replace(bench, num_prompts=num_warmup, request_rate=math.inf,
-                                           seed=bench.seed + 1, max_concurrency=None))
+        # multi-turn counts users and turns, not prompts: num_warmup one-turn conversations
+        warm = await run_benchmark(replace(bench, num_prompts=num_warmup, num_users=num_warmup, num_turns=1,
+                                           request_rate=math.inf, seed=bench.seed + 1, max_concurrency=None))
         if not warm.metrics["num_completed"]:
             first_error = next(iter(warm.metrics["errors"]), "unknown error")
             raise RuntimeError(f"warm-up: all {num_warmup} requests failed ({first_error})")
@@ -371,6 +372,19 @@ def _rate(value: float | str | None) -> str:
     return "-" if value is None else f"{parse_rate(value):g}"
 
 
+def _describe_workload(work: Mapping[str, Any]) -> str:
+    if work["dataset"] == "multi-turn":
+        return (f"{work['num_users']} users x {work['num_turns']} turns, multi-turn ({work['num_groups']} system "
+                f"prompts of {work['prefix_len']} words, turns of {work['turn_len']}), {work['endpoint']}, "
+                f"output {work['output_len']}")
+    if work["dataset"] == "mixed":
+        (short_low, short_high), (long_low, long_high) = work["short_len"], work["long_len"]
+        return (f"{work['num_prompts']} prompts, mixed ({work['short_fraction']:.0%} of {short_low}-{short_high} "
+                f"tokens, the rest {long_low}-{long_high}), {work['endpoint']}, output {work['output_len']}")
+    return (f"{work['num_prompts']} prompts, {work['dataset']}, {work['endpoint']}, "
+            f"input {work['input_len']}, output {work['output_len']}")
+
+
 def format_summary_md(summary: Mapping[str, Any]) -> str:
     work = summary["workload"]
     slo = " and ".join(f"{label} ≤ {work[key]:g} ms"
@@ -382,8 +396,7 @@ def format_summary_md(summary: Mapping[str, Any]) -> str:
         "# pdserve bench compare", "",
         f"- model: {summary['model']}; {summary['num_devices']} devices ({summary['device']}: "
         f"{' | '.join(summary['devices'])}) for every configuration",
-        f"- workload: {work['num_prompts']} prompts, {work['dataset']}, {work['endpoint']}, "
-        f"input {work['input_len']}, output {work['output_len']}, seed {work['seed']}; rates {rates} req/s",
+        f"- workload: {_describe_workload(work)}, seed {work['seed']}; rates {rates} req/s",
         f"- SLO: {slo}; target attainment {target:.0%}",
         *([f"- tuned chunked-prefill baseline: {summary['tuned_chunked']} (of the chunked budgets run, the "
            "highest max rate, then the most goodput there)"] if summary.get("tuned_chunked") else []), "",
@@ -488,7 +501,8 @@ workload at every --request-rates (same prompts and seed), and stopped:
 Per configuration the summary gives the highest rate whose SLO attainment (and every lower rate's)
 reaches --target-attainment, that rate per device, and at each rate TTFT p90, TPOT p90 and attainment.
 --seed seeds the workload and the dummy weights (--load-format dummy) alike. Prefix caching is off
-unless --prefix-caching: a sweep sends the same prompts at every rate.
+unless --prefix-caching: a sweep sends the same prompts at every rate (turn it on where reuse is the
+point: --dataset prefix-shared or multi-turn).
 
 Writes to --out-dir: <config>.json (the sweep), summary.json, summary.md, compare.png and
 logs/<config>/<instance>.log. A configuration that cannot start is reported, not fatal.

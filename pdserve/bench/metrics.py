@@ -8,6 +8,9 @@ Definitions (times in the output are milliseconds):
 - A request meets the SLO when it succeeded, its TTFT ≤ slo.ttft_ms and its TPOT ≤ slo.tpot_ms (an SLO
   left None always holds; a one-token answer has no TPOT and meets any TPOT SLO). Failed requests
   never meet it. Goodput = requests meeting the SLO / duration; attainment = meeting / all requests.
+- Multi-turn runs add `per_turn`: per turn index, the completed requests, their TTFT p50 and mean prompt
+  tokens. Turn 0 computes the group's system prompt (or finds it cached); later turns resend the history,
+  which a prefix cache on the instance that served the previous turn mostly has.
 """
 from __future__ import annotations
 
@@ -52,6 +55,18 @@ def latency_stats(values_s: Sequence[float]) -> dict[str, float | None]:
     return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}
 
 
+def per_turn_stats(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    """One entry per turn index present: {"turn", "num_completed", "ttft_ms_p50", "prompt_tokens_mean"}."""
+    stats = []
+    for turn in sorted({r.turn for r in records if r.turn is not None}):
+        done = [r for r in records if r.turn == turn and r.success]
+        prompts = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
+        stats.append({"turn": turn, "num_completed": len(done),
+                      "ttft_ms_p50": latency_stats([r.ttft for r in done if r.ttft is not None])["p50"],
+                      "prompt_tokens_mean": float(np.mean(prompts)) if prompts else None})
+    return stats
+
+
 def compute_metrics(records: Iterable[RequestRecord], duration: float, slo: SLO = SLO()) -> dict[str, Any]:
     records = list(records)
     completed = [r for r in records if r.success]
@@ -61,6 +76,7 @@ def compute_metrics(records: Iterable[RequestRecord], duration: float, slo: SLO 
     output_tokens = sum(r.output_tokens or 0 for r in completed)
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     errors = Counter(r.error or "unknown error" for r in failed)
+    per_turn = per_turn_stats(records)
     return {
         "num_requests": len(records),
         "num_completed": len(completed),
@@ -81,6 +97,7 @@ def compute_metrics(records: Iterable[RequestRecord], duration: float, slo: SLO 
         "goodput": per_s(num_meeting),
         "slo_attainment": num_meeting / len(records) if records else 0.0,
         "errors": dict(errors.most_common(MAX_ERROR_KINDS)),
+        **({"per_turn": per_turn} if per_turn else {}),   # multi-turn only: other runs' JSON is unchanged
     }
 
 
@@ -150,6 +167,12 @@ def format_summary(metrics: Mapping[str, Any], title: str = "Serving benchmark")
     for label, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
         stats = metrics[key]
         lines.append(f"{label:<16}" + "".join(f"{_fmt(stats[k]):>11}" for k in ("mean", "p50", "p90", "p99")))
+    if metrics.get("per_turn"):
+        lines.append("-" * width)
+        lines.append(f"{'turn':<16}{'completed':>11}{'TTFT p50':>11}{'prompt tok':>11}")
+        for t in metrics["per_turn"]:
+            lines.append(f"{t['turn']:<16}{t['num_completed']:>11}{_fmt(t['ttft_ms_p50']):>11}"
+                         f"{_fmt(t['prompt_tokens_mean'], 0):>11}")
     if metrics["num_without_usage"]:
         lines.append(f"warning: {metrics['num_without_usage']} completed requests had no usage in the "
                      "stream; their tokens are not counted")

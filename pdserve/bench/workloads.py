@@ -1,10 +1,14 @@
 """Workloads: which prompts to send, how long the answers should be, and when each request arrives.
 
 The client has no tokenizer, so lengths are in tokens only approximately for text:
-- /v1/completions with a random dataset sends the prompt as a list of token ids (OpenAI allows
-  `prompt: [ids]`), so the server sees exactly `input_len` prompt tokens;
+- /v1/completions with a random, prefix-shared or mixed dataset sends the prompt as a list of token ids
+  (OpenAI allows `prompt: [ids]`), so the server sees exactly `input_len` prompt tokens;
 - /v1/chat/completions needs text, so prompts are built from common English words (about one token
   each, plus the chat template's own tokens). The server's `usage` gives the true count either way.
+- multi-turn is text on both endpoints: each turn resends the previous answers, which are text.
+
+Datasets: independent requests (random, prefix-shared, mixed, a .jsonl file), or conversations
+(multi-turn): chains of requests where turn k + 1 is built from turn k's answer and sent after it.
 """
 from __future__ import annotations
 
@@ -12,11 +16,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-DATASETS = ("random", "prefix-shared")   # or a path to a .jsonl file
+DATASETS = ("random", "prefix-shared", "multi-turn", "mixed")   # or a path to a .jsonl file
 ENDPOINTS = ("completions", "chat")
 
 # Common short words, each a single token in the usual BPE vocabularies.
@@ -85,6 +89,98 @@ def synthetic_requests(*, endpoint: str, num_prompts: int, input_len: int, outpu
         specs.append(RequestSpec(prompt=None, messages=[{"role": "user", "content": text}],
                                  prompt_len=prefix_len + n, output_len=m))
     return specs
+
+
+def mixed_requests(*, endpoint: str, num_prompts: int, output_len: int, short_fraction: float = 0.8,
+                   short_len: tuple[int, int] = (32, 128), long_len: tuple[int, int] = (1024, 2048),
+                   output_range_ratio: float = 0.0, vocab_range: tuple[int, int] = (1000, 20000),
+                   seed: int = 0) -> list[RequestSpec]:
+    """Independent requests, round(short_fraction * num_prompts) of them short (length uniform in
+    short_len, both ends included) and the rest long (uniform in long_len), short and long in a seeded
+    random order; prompts built as `random`'s are (token ids for completions, common words for chat).
+    The count is exact rather than drawn per request so that a small run has the fraction asked for."""
+    rng = np.random.default_rng(seed)
+    num_short = round(short_fraction * num_prompts)
+    is_short = rng.permutation(np.arange(num_prompts) < num_short)
+    input_lens = [int(rng.integers(low, high + 1)) for low, high in
+                  (short_len if short else long_len for short in is_short)]
+    output_lens = sample_lengths(rng, num_prompts, output_len, output_range_ratio)
+    if endpoint == "completions":
+        return [RequestSpec(prompt=_random_ids(rng, n, vocab_range), messages=None, prompt_len=n, output_len=m)
+                for n, m in zip(input_lens, output_lens)]
+    return [RequestSpec(prompt=None, messages=[{"role": "user", "content": _random_words(rng, n)}],
+                        prompt_len=n, output_len=m) for n, m in zip(input_lens, output_lens)]
+
+
+# The completions endpoint has no roles: a conversation is a plain transcript. "Assistant:" ends each
+# prompt without a trailing space, so the answer (which a model starts with a space) follows as is.
+USER_TURN = "\n\nUser: "
+ASSISTANT_TURN = "\n\nAssistant:"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One user's chat of `num_turns` turns under its group's system prompt. Turn k's prompt is the whole
+    history: the system prompt, user messages 0..k-1 each followed by its answer, then user message k.
+    So each turn's prompt starts with the previous turn's prompt, character for character (chat: its
+    message list starts with the previous one's), as a chat client resending its history does. The
+    answers are the text the server actually streamed back for each turn (the runner collects it); only
+    a turn that failed is followed by its placeholder answer, deterministic words of its output length."""
+    user: int
+    group: int
+    system: str
+    user_messages: tuple[str, ...]
+    output_lens: tuple[int, ...]          # max_tokens of each turn
+    placeholder_answers: tuple[str, ...]  # each turn's stand-in answer, output_lens[k] words after a space
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.user_messages)
+
+    def request(self, turn: int, answers: Sequence[str], *, endpoint: str) -> RequestSpec:
+        """Turn `turn`'s request, given the answers of the turns before it (answers[k] for k < turn)."""
+        if not 0 <= turn < self.num_turns or len(answers) < turn:
+            raise ValueError(f"turn {turn}: needs 0 <= turn < {self.num_turns} and the {turn} answers before it")
+        history = list(zip(self.user_messages[:turn], answers[:turn]))
+        num_words = (len(self.system.split()) + sum(len(m.split()) + len(a.split()) for m, a in history)
+                     + len(self.user_messages[turn].split()))
+        if endpoint == "chat":
+            messages = [{"role": "system", "content": self.system}]
+            for message, answer in history:
+                messages += [{"role": "user", "content": message}, {"role": "assistant", "content": answer}]
+            messages.append({"role": "user", "content": self.user_messages[turn]})
+            return RequestSpec(prompt=None, messages=messages, prompt_len=num_words,
+                               output_len=self.output_lens[turn])
+        text = self.system + "".join(f"{USER_TURN}{message}{ASSISTANT_TURN}{answer}" for message, answer in history)
+        return RequestSpec(prompt=f"{text}{USER_TURN}{self.user_messages[turn]}{ASSISTANT_TURN}", messages=None,
+                           prompt_len=num_words, output_len=self.output_lens[turn])
+
+    def requests(self, *, endpoint: str) -> list[RequestSpec]:
+        """Every turn's request with the placeholder answers: the conversation as far as it is known
+        before anything is sent."""
+        return [self.request(k, self.placeholder_answers, endpoint=endpoint) for k in range(self.num_turns)]
+
+
+def multi_turn_conversations(*, num_users: int, num_turns: int, num_groups: int, system_len: int, turn_len: int,
+                             output_len: int, range_ratio: float = 0.0, output_range_ratio: float | None = None,
+                             seed: int = 0) -> list[Conversation]:
+    """`num_users` conversations of `num_turns` turns. User u belongs to group u % num_groups, and every
+    user of a group has the group's system prompt of `system_len` words: a router with prefix affinity
+    can win twice, on the group's system prompt and on each user's own history from its previous turn.
+    User messages are about `turn_len` words, answers at most `output_len` tokens (both varied by their
+    range ratio, as `random`'s lengths are); everything is common words, seeded."""
+    rng = np.random.default_rng(seed)
+    systems = [_random_words(rng, system_len) for _ in range(num_groups)]
+    answer_ratio = range_ratio if output_range_ratio is None else output_range_ratio
+    conversations = []
+    for user in range(num_users):
+        message_lens = sample_lengths(rng, num_turns, turn_len, range_ratio)
+        output_lens = sample_lengths(rng, num_turns, output_len, answer_ratio)
+        conversations.append(Conversation(
+            user=user, group=user % num_groups, system=systems[user % num_groups],
+            user_messages=tuple(_random_words(rng, n) for n in message_lens), output_lens=tuple(output_lens),
+            placeholder_answers=tuple(" " + _random_words(rng, m) for m in output_lens)))
+    return conversations
 
 
 def jsonl_requests(path: str | Path, *, endpoint: str, num_prompts: int, output_len: int,

@@ -208,6 +208,40 @@ def test_summary_takes_the_highest_rate_that_every_lower_rate_sustains():
     assert "TTFT ≤ 500 ms" in md
 
 
+def test_each_config_and_rate_is_one_row_of_the_per_rate_table():
+    # a GPU run's report (--configs colocated,disaggregated --request-rates 10,14: rows seen twice), not
+    # reproduced: formatted from its shape, each (config, rate) is one row
+    configs = [summarize(name, {"results": [sweep_entry(10.0, 1.0, ttft=400.0), sweep_entry(14.0, 0.5, ttft=900.0)]},
+                         2, target_attainment=0.9) for name in ("colocated", "disaggregated")]
+    summary = {"model": "llama-3.1-8b", "num_devices": 2, "device": "cuda", "devices": ["GPU 0", "GPU 1"],
+               "workload": BenchConfig(num_prompts=60).to_dict(), "request_rates": [10.0, 14.0],
+               "target_attainment": 0.9, "configs": configs, "tuned_chunked": compare.tuned_chunked(configs)}
+    md = format_summary_md(summary)
+    per_rate = md.split("| config | rate (req/s) |")[1].splitlines()[2:]
+    rows = [line for line in per_rate if line.startswith("| ")]
+    assert [tuple(cell.strip() for cell in row.split("|")[1:3]) for row in rows] == \
+        [("colocated", "10"), ("colocated", "14"), ("disaggregated", "10"), ("disaggregated", "14")]
+
+
+def test_summary_describes_the_multi_turn_and_mixed_workloads():
+    base = {"model": "default", "num_devices": 2, "device": "cpu", "devices": ["cores 0", "cores 1"],
+            "request_rates": [1.0], "target_attainment": 0.9, "configs": []}
+    md = format_summary_md({**base, "workload": BenchConfig(dataset="multi-turn", endpoint="chat").to_dict()})
+    assert "- workload: 16 users x 4 turns, multi-turn (4 system prompts of 256 words, turns of 64), chat, " \
+           "output 128, seed 0;" in md
+    md = format_summary_md({**base, "workload": BenchConfig(dataset="mixed", num_prompts=50).to_dict()})
+    assert "- workload: 50 prompts, mixed (80% of 32-128 tokens, the rest 1024-2048), completions, output 128" in md
+
+
+def test_warm_up_of_a_multi_turn_sweep_is_num_warmup_requests(fake_server):
+    import asyncio
+    bench = BenchConfig(base_url=fake_server.base_url, dataset="multi-turn", num_users=2, num_turns=3,
+                        prefix_len=8, turn_len=4, output_len=2)
+    sweep = asyncio.run(compare._warm_up_and_sweep(bench, [math.inf], 2, 0.9, False))
+    assert len(fake_server.bodies) == 2 + 6
+    assert sweep.results[0].metrics["num_completed"] == 6
+
+
 # ---- orchestration against fake instances ---------------------------------------------------------
 
 def free_base_port(num_ports: int) -> int:

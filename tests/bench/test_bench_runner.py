@@ -159,3 +159,103 @@ def test_progress_bar_writes_one_line_per_update_off_a_terminal():
     quiet = io.StringIO()
     ProgressBar(1, enabled=False, stream=quiet).update(True)
     assert quiet.getvalue() == ""
+
+
+# ---- dependent requests: multi-turn conversations -------------------------------------------------
+
+def multi_turn(server, **overrides):
+    base = dict(dataset="multi-turn", num_users=3, num_turns=3, num_groups=2, prefix_len=10, turn_len=5,
+                output_len=3)
+    return config(server, **{**base, **overrides})
+
+
+def by_conversation(records):
+    chains = {}
+    for r in records:
+        chains.setdefault(r.conversation, []).append(r)
+    return [sorted(chain, key=lambda r: r.turn) for _, chain in sorted(chains.items())]
+
+
+def test_multi_turn_sends_each_turn_after_the_previous_one_with_its_streamed_answer(fake_server):
+    result = asyncio.run(run_benchmark(multi_turn(fake_server)))
+    records = result.records
+    assert result.metrics["num_requests"] == 9 and result.metrics["num_completed"] == 9
+    assert [r.index for r in records] == list(range(9))
+    assert [(r.conversation, r.turn) for r in records] == [(u, k) for u in range(3) for k in range(3)]
+    for chain in by_conversation(records):
+        for before, after in zip(chain, chain[1:]):     # a conversation is sequential
+            assert after.start_time >= before.start_time + before.e2e - 1e-3
+            assert after.scheduled_time >= before.start_time + before.e2e - 1e-3
+    assert fake_server.max_in_flight == 3               # the users run side by side
+    # every prompt is the previous turn's prompt, the answer the fake streamed (" tok" per token), more
+    prompts = [b["prompt"] for b in fake_server.bodies]
+    assert len(prompts) == 9
+    for first in (p for p in prompts if p.count("User:") == 1):
+        chain = sorted((p for p in prompts if p.startswith(first[:first.index("Assistant:")])), key=len)
+        assert len(chain) == 3
+        for before, after in zip(chain, chain[1:]):
+            assert after.startswith(before + " tok tok tok\n\nUser: ")
+    per_turn = result.metrics["per_turn"]
+    assert [t["turn"] for t in per_turn] == [0, 1, 2] and all(t["num_completed"] == 3 for t in per_turn)
+    assert all(t["ttft_ms_p50"] > 0 for t in per_turn)
+    assert per_turn[0]["prompt_tokens_mean"] < per_turn[1]["prompt_tokens_mean"] < per_turn[2]["prompt_tokens_mean"]
+    request = result.to_dict()["requests"][4]
+    assert (request["conversation"], request["turn"]) == (1, 1) and "output_text" not in request
+
+
+def test_multi_turn_chat_resends_the_answers_as_assistant_messages(fake_server):
+    asyncio.run(run_benchmark(multi_turn(fake_server, endpoint="chat", num_users=2, num_turns=2)))
+    last_turns = [b["messages"] for b in fake_server.bodies if len(b["messages"]) == 4]
+    assert len(last_turns) == 2
+    for messages in last_turns:
+        assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+        assert messages[2]["content"] == " tok tok tok"
+
+
+def test_multi_turn_conversations_arrive_at_the_rate_and_a_failed_turn_is_followed_by_the_next(fake_server):
+    from pdserve.bench.workloads import arrival_times
+    cfg = multi_turn(fake_server, num_turns=2, request_rate=20.0, extra_body={"fake_mode": "http500"})
+    result = asyncio.run(run_benchmark(cfg))
+    assert result.metrics["num_failed"] == 6 and result.metrics["per_turn"][1]["ttft_ms_p50"] is None
+    assert [r.scheduled_time for r in result.records if r.turn == 0] == arrival_times(3, 20.0, 1.0, 0)
+    # no answer came back: the next turn carries the placeholder answer, so the load stays the same
+    from pdserve.bench.runner import build_conversations
+    conv = build_conversations(cfg)[0]
+    assert conv.request(1, conv.placeholder_answers, endpoint="completions").prompt in \
+        [b["prompt"] for b in fake_server.bodies]
+
+
+def test_independent_requests_keep_their_json(fake_server):
+    result = asyncio.run(run_benchmark(config(fake_server, num_prompts=2)))
+    data = result.to_dict()
+    assert "per_turn" not in data["metrics"]
+    assert not {"conversation", "turn", "output_text"} & set(data["requests"][0])
+
+
+def test_cli_mixed_and_multi_turn(fake_server, capsys):
+    args = parse(["bench", "serve", "--base-url", fake_server.base_url, "--dataset", "mixed", "--num-prompts", "10",
+                  "--short-fraction", "0.5", "--short-len", "4", "8", "--long-len", "40", "50", "--output-len", "2",
+                  "--no-progress"])
+    assert args.func(args) == 0
+    lengths = sorted(len(b["prompt"]) for b in fake_server.bodies)
+    assert all(4 <= n <= 8 for n in lengths[:5]) and all(40 <= n <= 50 for n in lengths[5:])
+
+    fake_server.reset()
+    args = parse(["bench", "serve", "--base-url", fake_server.base_url, "--dataset", "multi-turn", "--num-users", "2",
+                  "--num-turns", "3", "--num-groups", "1", "--prefix-len", "12", "--turn-len", "4",
+                  "--output-len", "2", "--endpoint", "chat", "--no-progress"])
+    assert args.func(args) == 0
+    assert len(fake_server.bodies) == 6
+    assert len({b["messages"][0]["content"] for b in fake_server.bodies}) == 1     # one group, one system prompt
+    out = capsys.readouterr().out
+    assert "TTFT p50" in out and "prompt tok" in out
+    for bad, field in ((["--short-fraction", "1.5"], "short_fraction"), (["--long-len", "9", "3"], "long_len")):
+        args = parse(["bench", "serve", "--base-url", fake_server.base_url, "--dataset", "mixed", *bad])
+        assert args.func(args) == 2
+        assert field in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["bench", "serve", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("multi-turn", "mixed", "--num-users", "--num-turns", "--num-groups", "--turn-len",
+                 "--short-fraction", "--short-len", "--long-len"):
+        assert flag in text
