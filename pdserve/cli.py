@@ -1,8 +1,11 @@
-"""`pdserve serve | proxy | up | bench`: the only argv parser."""
+"""`pdserve serve | proxy | up | status | bench`: the only argv parser."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
+import json
 import logging
 import os
 import shlex
@@ -16,7 +19,8 @@ DESCRIPTION = """pdserve: an LLM server with prefill/decode disaggregation and a
 
   pdserve up                  start a local P/D cluster (1 prefill, 1 decode, the proxy) on the default model
   pdserve serve               start one instance (colocated, or a P or D with --kv-role)
-  pdserve proxy               put the P/D proxy (or a colocated load balancer) in front of instances
+  pdserve proxy               put the router in front of prefill, decode and colocated instances
+  pdserve status [URL]        print a router's instances, their health and load
   pdserve bench serve|sweep   measure any OpenAI-compatible endpoint
 """
 
@@ -145,7 +149,29 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more `pdserve serve` flags for the decode instances only, e.g. "
                          "--decode-args='--max-num-seqs 512'")
     up.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per instance on CPU")
+    up.add_argument("--num-colocated", type=int, default=0,
+                    help="colocated instances (no KV handoff: each prefills and decodes its requests); alone "
+                         "(--num-prefill 0 --num-decode 0) a plain load-balanced cluster, beside P and D a "
+                         "pool the router may send a request to directly (conditional disaggregation)")
+    up.add_argument("--colocated-args", default="", metavar="'FLAGS'",
+                    help="more `pdserve serve` flags for the colocated instances only")
+    up.add_argument("--gpus", default=None, metavar="LIST",
+                    help="CUDA: the GPUs to use, e.g. 0,1 (default: all); one instance per GPU, round-robin "
+                         "when there are more instances than GPUs")
+    from pdserve.router.proxy import add_routing_arguments
+    add_routing_arguments(up)
+    up.add_argument("--proxy-args", default="", metavar="'FLAGS'",
+                    help="more `pdserve proxy` flags, e.g. --proxy-args='--max-per-instance 64'")
     up.set_defaults(func=up_main)
+
+    status = sub.add_parser("status", help="print a router's instances, their health and load",
+                            description="Ask a pdserve router (`pdserve up` or `pdserve proxy`) for GET /cluster "
+                                        "and print its instances as a table.")
+    status.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the router's URL")
+    status.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"the router's client key, if it has one (default: ${API_KEY_ENV})")
+    status.add_argument("--json", action="store_true", help="print the JSON as it came")
+    status.set_defaults(func=status_main)
 
     from pdserve.bench.cli import add_bench_subparsers
     add_bench_subparsers(sub)
@@ -229,7 +255,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def up_main(args: argparse.Namespace) -> int:
-    from pdserve.cluster import run_cluster
+    from pdserve.cluster import parse_gpus, run_cluster
     serve_args = ["--dtype", args.dtype, "--device", args.device, "--load-format", args.load_format,
                   "--seed", str(args.seed)]
     for flag, value in (("--max-model-len", args.max_model_len),
@@ -240,18 +266,47 @@ def up_main(args: argparse.Namespace) -> int:
         if value is not None:
             serve_args += [flag, str(value)]
     role_args = {}
-    for role, flags in (("prefill", args.prefill_args), ("decode", args.decode_args)):
+    for role, flags in (("prefill", args.prefill_args), ("decode", args.decode_args),
+                        ("colocated", args.colocated_args), ("proxy", args.proxy_args)):
         role_args[role] = shlex.split(flags)
-        try:  # a typo must fail here, not as a child that exits during start-up
-            build_parser().parse_args(["serve", *role_args[role]])
+        command = "proxy" if role == "proxy" else "serve"
+        # A typo must fail here, not as a child that exits during start-up (the proxy check adds a
+        # placeholder pool so that only the flags themselves are judged).
+        check = ["proxy", "--colocated", "http://127.0.0.1:1", *role_args[role]] if role == "proxy" \
+            else ["serve", *role_args[role]]
+        try:
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                build_parser().parse_args(check)
         except SystemExit:
-            print(f"pdserve up: --{role}-args {flags!r}: not valid `pdserve serve` flags", file=sys.stderr)
+            print(f"pdserve up: --{role}-args {flags!r}: not valid `pdserve {command}` flags: "
+                  f"{err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else ''}", file=sys.stderr)
             return 2
+    routing_args = ["--policy", args.policy]
+    if args.pd_min_prompt_tokens is not None:
+        routing_args += ["--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens)]
+    try:
+        gpus = parse_gpus(args.gpus)
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
     return run_cluster(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                        host=args.host, port=args.port, serve_args=serve_args,
                        kv_transfer_config=args.kv_transfer_config, device=args.device,
                        kv_connector=args.kv_connector, prefill_args=role_args["prefill"],
-                       decode_args=role_args["decode"], api_key=args.api_key)
+                       decode_args=role_args["decode"], api_key=args.api_key,
+                       num_colocated=args.num_colocated, colocated_args=role_args["colocated"], gpus=gpus,
+                       proxy_args=routing_args + role_args["proxy"])
+
+
+def status_main(args: argparse.Namespace) -> int:
+    from pdserve.router.status import fetch_cluster, format_cluster
+    try:
+        cluster = fetch_cluster(args.url, args.api_key)
+    except (OSError, ValueError) as e:
+        print(f"pdserve status: {args.url}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(cluster, indent=2) if args.json else format_cluster(cluster))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""`pdserve up`: a local P/D cluster (prefill instances, decode instances, the proxy) on 127.0.0.1.
+"""`pdserve up`: a local cluster (prefill, decode and colocated instances, the router) on 127.0.0.1.
 
 Lifecycle:
   1. split this machine's devices among the instances: on CUDA one GPU each (round-robin when
@@ -9,7 +9,9 @@ Lifecycle:
      it, the instances require it (as their API key too, so that with --host 0.0.0.0 a client cannot
      go around the proxy); the client's --api-key goes to the proxy only
   3. wait until every /health answers, then print the URL
-  4. on Ctrl-C or SIGTERM (or when a child dies) stop every child, newest first
+  4. serve: an instance that dies is started again with backoff (the router ejects it meanwhile and
+     re-admits it when healthy); the router dying, or an instance dying too often, ends the cluster
+  5. on Ctrl-C or SIGTERM stop every child, newest first
 
 split_cores and ChildProcesses are shared with `pdserve bench compare`, which starts several such
 deployments in turn.
@@ -101,29 +103,100 @@ class ChildProcesses:
                 p.wait()
 
 
+ROLE_NAMES = {"producer": "prefill", "consumer": "decode", "colocated": "colocated"}
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)   # after the 1st, 2nd, ... death in a row
+MAX_RESTARTS = 5          # deaths within RESTART_WINDOW_S before `up` gives up on the cluster
+RESTART_WINDOW_S = 600.0
+
+
 def instance_command(role: str, index: int, port: int, *, model: str, host: str, serve_args: Sequence[str],
                      role_args: Sequence[str], kv_connector: str, kv_transfer_config: str | None,
                      cores: Sequence[int] | None) -> list[str]:
     """`pdserve serve` for one instance: the shared flags, then the role's own (later flags win, so
-    --prefill-args / --decode-args override what every instance gets)."""
-    cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--host", host,
-           "--port", str(port), "--kv-connector", kv_connector, "--kv-role", role,
-           "--engine-id", f"{'prefill' if role == 'producer' else 'decode'}-{index}", *serve_args]
-    if kv_transfer_config:
-        cmd += ["--kv-transfer-config", kv_transfer_config]
+    --prefill-args / --decode-args override what every instance gets). role: producer, consumer or
+    colocated (no KV connector: it prefills and decodes its requests itself)."""
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--host", host, "--port", str(port)]
+    if role != "colocated":
+        cmd += ["--kv-connector", kv_connector, "--kv-role", role]
+        if kv_transfer_config:
+            cmd += ["--kv-transfer-config", kv_transfer_config]
+    cmd += ["--engine-id", f"{ROLE_NAMES[role]}-{index}", *serve_args]
     if cores:
         cmd += ["--cpu-cores", ",".join(map(str, cores)), "--num-threads", str(len(cores))]
     return cmd + list(role_args)
 
 
+class Supervisor:
+    """After start-up: an instance that dies is started again (with backoff), and the router re-admits it
+    once its /health answers; the cluster serves on with the others meanwhile. An instance that dies
+    MAX_RESTARTS times within RESTART_WINDOW_S, or the router itself dying, ends the cluster."""
+
+    def __init__(self, children: "ChildProcesses", commands: dict[int, tuple[str, list[str], dict]]) -> None:
+        self.children = children
+        self.commands = commands            # pid → (name, argv, env) of each instance
+        self.deaths: dict[str, list[float]] = {}
+        self.pending: list[tuple[float, str, list[str], dict]] = []   # (when, name, argv, env) to restart
+
+    def check(self, now: float) -> str | None:
+        """Restart what is due; None while the cluster can go on, else why it cannot."""
+        for proc in list(self.children.procs):
+            if proc.poll() is None:
+                continue
+            self.children.procs.remove(proc)
+            if proc.pid not in self.commands:
+                return f"{self.children.names.get(proc.pid, 'the router')} exited (code {proc.returncode})"
+            name, argv, env = self.commands.pop(proc.pid)
+            deaths = [t for t in self.deaths.get(name, []) if now - t < RESTART_WINDOW_S] + [now]
+            self.deaths[name] = deaths
+            if len(deaths) > MAX_RESTARTS:
+                return f"{name} exited {len(deaths)} times within {RESTART_WINDOW_S:.0f} s (last code {proc.returncode})"
+            delay = RESTART_BACKOFF_S[min(len(deaths), len(RESTART_BACKOFF_S)) - 1]
+            print(f"pdserve up: {name} exited (code {proc.returncode}); restarting it in {delay:g} s",
+                  file=sys.stderr, flush=True)
+            self.pending.append((now + delay, name, argv, env))
+        for item in [p for p in self.pending if p[0] <= now]:
+            self.pending.remove(item)
+            _, name, argv, env = item
+            proc = self.children.start(argv, name=name, env=env)
+            self.commands[proc.pid] = (name, argv, env)
+        return None
+
+
+def parse_gpus(spec: str | None) -> list[int] | None:
+    """--gpus 0,2,3 → [0, 2, 3]; None: every GPU torch sees."""
+    if spec is None:
+        return None
+    try:
+        gpus = [int(g) for g in spec.split(",") if g.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus: a comma-separated list of GPU indices, got {spec!r}") from None
+    if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus: distinct non-negative GPU indices, got {spec!r}")
+    return gpus
+
+
 def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, port: int,
                 serve_args: list[str], kv_transfer_config: str | None, device: str,
                 kv_connector: str = "nixl", prefill_args: Sequence[str] = (),
-                decode_args: Sequence[str] = (), api_key: str | None = None) -> int:
-    instances = [("producer", i) for i in range(num_prefill)] + [("consumer", i) for i in range(num_decode)]
-    use_cuda = device == "cuda" or (device == "auto" and num_gpus() > 0)
+                decode_args: Sequence[str] = (), api_key: str | None = None, num_colocated: int = 0,
+                colocated_args: Sequence[str] = (), gpus: Sequence[int] | None = None,
+                proxy_args: Sequence[str] = ()) -> int:
+    if min(num_prefill, num_decode, num_colocated) < 0:
+        print("pdserve up: --num-prefill, --num-decode and --num-colocated must be >= 0", file=sys.stderr)
+        return 2
+    if num_colocated == 0 and (num_prefill == 0 or num_decode == 0):
+        print("pdserve up: P/D needs --num-prefill >= 1 and --num-decode >= 1 (or give --num-colocated)",
+              file=sys.stderr)
+        return 2
+    if num_prefill + num_decode and not (num_prefill and num_decode):
+        print("pdserve up: prefill instances need decode instances and the reverse", file=sys.stderr)
+        return 2
+    instances = ([("producer", i) for i in range(num_prefill)] + [("consumer", i) for i in range(num_decode)]
+                 + [("colocated", i) for i in range(num_colocated)])
+    use_cuda = device == "cuda" or (device == "auto" and (gpus is not None or num_gpus() > 0))
     cores = [None] * len(instances) if use_cuda else split_cores(len(instances))
-    num_cuda_devices = num_gpus() if use_cuda else 0
+    cuda_devices = (list(gpus) if gpus is not None else list(range(num_gpus()))) if use_cuda else []
+    role_args = {"producer": prefill_args, "consumer": decode_args, "colocated": colocated_args}
     children = ChildProcesses()
 
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -133,35 +206,43 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
     proxy_env[ROUTER_KEY_ENV] = router_key
     if api_key is not None:
         proxy_env[API_KEY_ENV] = api_key
-    prefill_urls, decode_urls = [], []
+    urls: dict[str, list[str]] = {"producer": [], "consumer": [], "colocated": []}
+    commands: dict[int, tuple[str, list[str], dict]] = {}
     try:
         for n, (role, i) in enumerate(instances):
             inst_port = port + 1 + n
             cmd = instance_command(role, i, inst_port, model=model, host=host, serve_args=serve_args,
-                                   role_args=prefill_args if role == "producer" else decode_args,
-                                   kv_connector=kv_connector, kv_transfer_config=kv_transfer_config,
-                                   cores=cores[n])
+                                   role_args=role_args[role], kv_connector=kv_connector,
+                                   kv_transfer_config=kv_transfer_config, cores=cores[n])
             env = dict(instance_env)
-            if use_cuda and num_cuda_devices:
-                env["CUDA_VISIBLE_DEVICES"] = str(n % num_cuda_devices)
-            children.start(cmd, env=env)
-            (prefill_urls if role == "producer" else decode_urls).append(f"http://{host}:{inst_port}")
-        children.wait_healthy(prefill_urls + decode_urls, HEALTH_TIMEOUT_S)
-        children.start([sys.executable, "-m", "pdserve", "proxy", "--host", host, "--port", str(port),
-                        "--prefill", *prefill_urls, "--decode", *decode_urls], env=proxy_env)
+            if cuda_devices:   # one GPU each, round-robin when there are more instances than GPUs
+                env["CUDA_VISIBLE_DEVICES"] = str(cuda_devices[n % len(cuda_devices)])
+            name = f"{ROLE_NAMES[role]}-{i}"
+            proc = children.start(cmd, name=name, env=env)
+            commands[proc.pid] = (name, cmd, env)
+            urls[role].append(f"http://{host}:{inst_port}")
+        children.wait_healthy([u for role_urls in urls.values() for u in role_urls], HEALTH_TIMEOUT_S)
+        proxy_cmd = [sys.executable, "-m", "pdserve", "proxy", "--host", host, "--port", str(port),
+                     "--model", model]
+        for flag, role in (("--prefill", "producer"), ("--decode", "consumer"), ("--colocated", "colocated")):
+            if urls[role]:
+                proxy_cmd += [flag, *urls[role]]
+        children.start(proxy_cmd + list(proxy_args), name="the router", env=proxy_env)
         url = f"http://{host}:{port}"
         children.wait_healthy([url], 60)
         served = next((a for f, a in zip(serve_args, serve_args[1:]) if f == "--served-model-name"), model)
         auth_header = '-H "Authorization: Bearer $KEY" ' if api_key else ""
-        print(f"pdserve cluster ready: {url}/v1  (prefill: {' '.join(prefill_urls)}; "
-              f"decode: {' '.join(decode_urls)}). Ctrl-C stops it.\nTry:\n"
+        pools = "; ".join(f"{ROLE_NAMES[role]}: {' '.join(u)}" for role, u in urls.items() if u)
+        print(f"pdserve cluster ready: {url}/v1  ({pools}). `pdserve status {url}` shows it; Ctrl-C stops "
+              f"it.\nTry:\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
               f"{auth_header}-d "
               f"'{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
-        while children.first_dead() is None:
+        supervisor = Supervisor(children, commands)
+        while (reason := supervisor.check(time.monotonic())) is None:
             time.sleep(0.5)
-        print(f"a child exited (code {children.first_dead().returncode}); stopping the cluster", file=sys.stderr)
+        print(f"pdserve up: {reason}; stopping the cluster", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -27,11 +27,14 @@ def describe(e: BaseException) -> str:
 class ClientError(Exception):
     """The client's request is refused before any backend sees it."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        headers = dict(headers or {})
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         return web.json_response(error_body(self.message, status=self.status, param=self.param),
                                  status=self.status, headers=headers)
 

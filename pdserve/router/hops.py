@@ -1,4 +1,4 @@
-"""The router's calls to its instances: one POST and its failures as BackendError, the prefill hop (steps 2-3
+"""The router's calls to its instances: one POST and its failures as BackendError, the prefill hop (steps 3-4
 of the request lifecycle in proxy.py) and the release of P's blocks no D took (step 8)."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pdserve.http_guard import RETRY_AFTER_S
 from pdserve.router.errors import NETWORK_ERRORS, BackendError, describe, error_message_of, public_detail
 
 if TYPE_CHECKING:
+    from pdserve.router.instances import Instance, Ticket
     from pdserve.router.proxy import Proxy
 
 logger = logging.getLogger(__name__)
@@ -38,14 +39,20 @@ async def read(role: str, url: str, resp: aiohttp.ClientResponse) -> bytes:
         resp.close()
 
 
-async def post(proxy: Proxy, role: str, url: str, path: str, body: dict, headers: dict) -> aiohttp.ClientResponse:
-    """POST body to url+path; return the 2xx response still unread, or raise BackendError."""
-    proxy.metrics.backend_request(role, proxy.names[url])
+async def post(proxy: Proxy, role: str, inst: Instance, path: str, body: dict,
+               headers: dict) -> aiohttp.ClientResponse:
+    """POST body to the instance's path; return the 2xx response still unread, or raise BackendError. An
+    instance that refuses the connection counts as a failed health check (the monitor may eject it)."""
+    url = inst.url
+    proxy.metrics.backend_request(role, inst.name)
     try:
         resp = await proxy.session.post(url + path, json=body, headers=headers)
     except NETWORK_ERRORS as e:
+        never_took = isinstance(e, aiohttp.ClientConnectorError)
+        if never_took:
+            proxy.monitor.connect_failed(inst, e)
         raise BackendError(role, url, describe(e), public_detail=public_detail(e),
-                           never_took_request=isinstance(e, aiohttp.ClientConnectorError)) from e
+                           never_took_request=never_took) from e
     if resp.status < 400:
         return resp
     data = await read(role, url, resp)
@@ -66,33 +73,28 @@ async def post(proxy: Proxy, role: str, url: str, path: str, body: dict, headers
                        never_took_request=True)
 
 
-async def prefill_hop(proxy: Proxy, path: str, body: dict, headers: dict, is_chat: bool) -> tuple[str, dict]:
-    """(the P that answered, its kv_transfer_params)."""
+async def prefill_hop(proxy: Proxy, inst: Instance, ticket: Ticket, path: str, body: dict,
+                      headers: dict) -> dict:
+    """P's kv_transfer_params for this request; BackendError when P fails or answers without them. One
+    attempt: the caller routes the request again (to another P, or straight to a D) on a retryable failure.
+    Ends `ticket` (the router's count of P's work) whatever happens."""
     prefill_body = dict(body, kv_transfer_params={"do_remote_decode": True}, stream=False)
     prefill_body.pop("stream_options", None)
-    start, failed_urls = time.monotonic(), []
-    while (url := proxy.prefill.pick(exclude=failed_urls)) is not None:
-        try:
-            data = await read("prefill", url, await post(proxy, "prefill", url, path, prefill_body, headers))
-        except BackendError as e:
-            if e.body is None:  # the backend's fault (not a 4xx, not a 503 at capacity)
-                proxy.metrics.backend_error("prefill", proxy.names[url])
-            failed_urls.append(url)
-            if not e.is_retryable or len(failed_urls) == 2 or len(proxy.prefill.urls) == 1:
-                raise
-            logger.warning("request %s: %s; retrying on another P", headers["X-Request-Id"], e)
-            proxy.metrics.num_prefill_retries.inc()
-            error = e
-            continue
-        finally:
-            proxy.prefill.release(url)
-        if (params := kv_transfer_params_of(data)) is None:
-            proxy.metrics.backend_error("prefill", proxy.names[url])
-            raise BackendError("prefill", url, "no kv_transfer_params in its answer (is it a KV producer?)",
-                               public_detail="answered without kv_transfer_params (is it a KV producer?)")
-        proxy.metrics.prefill_seconds.observe(time.monotonic() - start)
-        return url, params
-    raise error  # every P failed (with one P: no retry)
+    start = time.monotonic()
+    try:
+        data = await read("prefill", inst.url, await post(proxy, "prefill", inst, path, prefill_body, headers))
+    except BackendError as e:
+        if e.body is None:  # the backend's fault (not a 4xx, not a 503 at capacity)
+            proxy.metrics.backend_error("prefill", inst.name)
+        raise
+    finally:
+        proxy.end(inst, ticket)
+    if (params := kv_transfer_params_of(data)) is None:
+        proxy.metrics.backend_error("prefill", inst.name)
+        raise BackendError("prefill", inst.url, "no kv_transfer_params in its answer (is it a KV producer?)",
+                           public_detail="answered without kv_transfer_params (is it a KV producer?)")
+    proxy.metrics.prefill_seconds.observe(time.monotonic() - start)
+    return params
 
 
 def release_on_prefill(proxy: Proxy, url: str, kv_transfer_params: dict, headers: dict) -> None:

@@ -1,15 +1,26 @@
-"""Which backend of a pool serves the next request: one policy object per pool (prefill, decode, colocated).
+"""Per request: whether to disaggregate, which P computes the prompt and which D generates (docs/router.md,
+"Deciding"). Pure and deterministic: the instances' state comes in through `Instance` and `PrefixIndex`
+(router/instances.py, router/prefix_index.py), the time through `now`.
 
-A policy answers `pick(exclude)` with a backend URL, or None when every URL of its pool is excluded (the
-proxy excludes backends that already failed this request). `release(url)` is called once per successful
-`pick`, when the proxy is done with that backend for the request, so that a load-aware policy can count
-requests in flight; round-robin ignores it. A prefix-aware policy (pdserve.hashing block hashes of the prompt)
-will need the request as well: it will get it as an extra keyword argument of `pick`, defaulting to None.
+`Router.route(req, exclude, now)` answers a `Route` (P or None for a direct route, D, the decider's reason)
+or None when no instance can take the request (the caller answers 503 with Retry-After);
+`Router.replacement(req, exclude, now)` a D (or colocated instance) to resume a failed stream on. The caller
+brackets each hop with `Router.begin` / `Router.end`: the router's own accounting of requests in flight,
+and its predictions of which instance will cache the prompt.
+
+`RoundRobin` and `Policy` (a URL per pick) are what proxy.py uses until it is ported to `Router`.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Protocol
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from pdserve.hashing import hash_prompt_blocks
+from pdserve.router.instances import DEFAULT_BLOCK_SIZE, Instance, Ticket
+from pdserve.router.prefix_index import PrefixIndex
+
+# --- the URL-pool round-robin proxy.py uses today ----------------------------------------------------------
 
 
 class Policy(Protocol):
@@ -21,7 +32,8 @@ class Policy(Protocol):
 
 
 class RoundRobin:
-    """Each pick takes the next URL in order, skipping excluded ones."""
+    """A pool of URLs; each pick takes the next in order, skipping excluded ones (the proxy excludes backends
+    that already failed the request); `release` is a no-op kept for the proxy's calls."""
 
     def __init__(self, urls: Sequence[str]) -> None:
         if not urls:
@@ -40,3 +52,393 @@ class RoundRobin:
 
     def release(self, url: str) -> None:
         pass
+
+
+# --- requests, settings, answers ---------------------------------------------------------------------------
+
+# What an instance does with the request, which decides what its load and cost mean.
+PREFILL = "prefill"   # a P: computes the prompt, holds its KV for a D
+DECODE = "decode"     # a D fed by a P: reads the KV it lacks, then generates
+DIRECT = "direct"     # a D or colocated instance that computes the prompt itself, then generates
+
+REASONS = ("short_prompt", "decode_has_prefix", "prefill_saturated", "disaggregated", "colocated")
+
+DEFAULT_PD_MIN_PROMPT_TOKENS = 0
+DEFAULT_MAX_HELD_FRACTION = 0.9
+DEFAULT_BALANCE_TOKENS = 8192      # prefix-affinity: a P may be this many queued prompt tokens above the least
+DEFAULT_BALANCE_REQUESTS = 16      # ... a D this many requests in flight above the least
+DEFAULT_DIRECT_PREFILL_HEADROOM_S = 1.0
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router knows of a request. token_ids and block_hashes are None when the router did not
+    tokenize (a policy and decider that need no prefix): then nothing counts as cached anywhere."""
+    num_prompt_tokens: int
+    max_tokens: int | None = None
+    token_ids: Sequence[int] | None = None
+    block_hashes: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            raise ValueError(f"num_prompt_tokens: must be >= 0, got {self.num_prompt_tokens}")
+
+    @classmethod
+    def from_token_ids(cls, token_ids: Sequence[int], max_tokens: int | None, block_size: int = DEFAULT_BLOCK_SIZE,
+                       hash_extra: str = "") -> RouteRequest:
+        return cls(len(token_ids), max_tokens, token_ids, hash_prompt_blocks(token_ids, block_size, hash_extra))
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """pd_min_prompt_tokens: T of the decider (0: always disaggregate when a P can take the request).
+    max_per_instance: requests in flight on one instance (None: no cap). max_held_fraction: a P's KV share
+    held for transfer past which it takes no more prompts. balance_*: prefix-affinity's spill thresholds.
+    direct_prefill_headroom_s: a D takes a prompt itself, with every P at a cap, only while its prefill work
+    (queued + this prompt) stays under this many seconds: its running streams stall meanwhile."""
+    pd_min_prompt_tokens: int = DEFAULT_PD_MIN_PROMPT_TOKENS
+    max_per_instance: int | None = None
+    max_held_fraction: float = DEFAULT_MAX_HELD_FRACTION
+    balance_tokens: int = DEFAULT_BALANCE_TOKENS
+    balance_requests: int = DEFAULT_BALANCE_REQUESTS
+    direct_prefill_headroom_s: float = DEFAULT_DIRECT_PREFILL_HEADROOM_S
+
+    def __post_init__(self) -> None:
+        if self.pd_min_prompt_tokens < 0:
+            raise ValueError(f"pd_min_prompt_tokens: must be >= 0, got {self.pd_min_prompt_tokens}")
+        if self.max_per_instance is not None and self.max_per_instance < 1:
+            raise ValueError(f"max_per_instance: must be >= 1, got {self.max_per_instance}")
+        if not 0.0 < self.max_held_fraction <= 1.0:
+            raise ValueError(f"max_held_fraction: must be in (0, 1], got {self.max_held_fraction}")
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill: Instance | None   # None: direct, the decode (or colocated) instance prefills itself
+    decode: Instance
+    reason: str                # one of REASONS
+
+
+@dataclass
+class Choice:
+    """What a policy sees besides the candidates."""
+    req: RouteRequest
+    cached: Mapping[str, int]       # instance name → prompt tokens it holds (absent: none)
+    position: Mapping[str, int]     # instance name → its place in the router's order (round-robin)
+    now: float
+
+    def uncached(self, inst: Instance) -> int:
+        return max(0, self.req.num_prompt_tokens - self.cached.get(inst.name, 0))
+
+
+# --- the estimates -----------------------------------------------------------------------------------------
+
+def load(stage: str, inst: Instance) -> int:
+    """least-load's measure: a P's work is its queued prompt tokens; a D's (fed or direct) its requests,
+    since each one holds a slot of its batch and its step time until it finishes."""
+    return inst.queued_prefill_tokens if stage == PREFILL else inst.num_in_flight
+
+
+def prefill_seconds(inst: Instance, uncached_tokens: int) -> float:
+    """When the prompt's last token is computed there: the prompt tokens queued ahead of it plus its own
+    uncached ones, at the instance's measured prefill rate. A cached prefix is skipped entirely, which is
+    what makes a busy P holding the prefix beat an idle one without it."""
+    return (inst.queued_prefill_tokens + uncached_tokens) / inst.prefill_tokens_per_s
+
+
+def decode_wait_seconds(inst: Instance) -> float:
+    """Until a D's first step for the request: the requests waiting for a batch slot, one step time each,
+    then the request's own step. A lower bound (a slot frees when a running request finishes, which takes
+    more than one step), but monotone in the queue and the step time, which is what ranking Ds needs."""
+    return (inst.num_queued_requests + 1) * inst.decode_step_s
+
+
+def transfer_seconds(inst: Instance, uncached_tokens: int) -> float:
+    """A D reads from the P only the blocks it lacks (its own prefix cache covers the rest)."""
+    return uncached_tokens * inst.kv_bytes_per_token / inst.transfer_bytes_per_s
+
+
+def estimated_seconds(stage: str, inst: Instance, choice: Choice) -> float:
+    """The instance's part of the request's time to first token. TTFT = P's part + D's part, and neither
+    depends on the other's choice, so the best pair is the best P and the best D: O(P + D) per request."""
+    uncached = choice.uncached(inst)
+    if stage == PREFILL:
+        return prefill_seconds(inst, uncached)
+    if stage == DECODE:
+        return decode_wait_seconds(inst) + transfer_seconds(inst, uncached)
+    return decode_wait_seconds(inst) + prefill_seconds(inst, uncached)
+
+
+# --- the policies ------------------------------------------------------------------------------------------
+
+class RoutingPolicy:
+    """Picks one of the candidates (never empty) of one stage; answers (instance, outcome), the outcome a
+    label for the counters. Holds a round-robin cursor per stage: ties go round, so equal instances share."""
+    name: ClassVar[str] = ""
+    uses_prefix: ClassVar[bool] = False   # needs the prompt's block hashes
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        self.config = config or RouterConfig()
+        self._cursor: dict[str, int] = {}
+
+    def choose(self, stage: str, candidates: Sequence[Instance], choice: Choice) -> tuple[Instance, str]:
+        raise NotImplementedError
+
+    def rotate(self, stage: str, candidates: Sequence[Instance], choice: Choice, commit: bool = True) -> Instance:
+        """The first candidate at or after the stage's cursor in the router's order; commit: move the cursor
+        past it (else only look)."""
+        cursor, position = self._cursor.get(stage, 0), choice.position
+        best = min(candidates, key=lambda inst: (position[inst.name] < cursor, position[inst.name]))
+        if commit:
+            self._cursor[stage] = position[best.name] + 1
+        return best
+
+    def least(self, stage: str, candidates: Sequence[Instance], choice: Choice, key,
+              commit: bool = True) -> Instance:
+        """The candidate with the lowest key; among (near) equals, the next in round-robin order."""
+        scores = [key(inst) for inst in candidates]
+        low = min(scores)
+        tolerance = 1e-9 * max(1.0, abs(low))
+        return self.rotate(stage, [inst for inst, s in zip(candidates, scores) if s <= low + tolerance], choice,
+                           commit)
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round-robin"
+
+    def choose(self, stage, candidates, choice):
+        return self.rotate(stage, candidates, choice), "next"
+
+
+class LeastLoadPolicy(RoutingPolicy):
+    name = "least-load"
+
+    def choose(self, stage, candidates, choice):
+        return self.least(stage, candidates, choice, lambda inst: load(stage, inst)), "least"
+
+
+class PrefixAffinityPolicy(RoutingPolicy):
+    """The longest cached prefix (the least loaded among equals), unless that instance's load is more than
+    the balance threshold above the least loaded candidate's: then least-load, so that one hot prefix
+    cannot pile every request onto one instance."""
+    name = "prefix-affinity"
+    uses_prefix = True
+
+    def choose(self, stage, candidates, choice):
+        by_load = lambda inst: load(stage, inst)  # noqa: E731
+        longest = max(choice.cached.get(inst.name, 0) for inst in candidates)
+        if longest == 0:
+            return self.least(stage, candidates, choice, by_load), "miss"
+        holders = [inst for inst in candidates if choice.cached.get(inst.name, 0) == longest]
+        best = self.least(stage, holders, choice, by_load, commit=False)
+        threshold = self.config.balance_tokens if stage == PREFILL else self.config.balance_requests
+        if load(stage, best) - min(map(by_load, candidates)) > threshold:
+            return self.least(stage, candidates, choice, by_load), "spill"
+        return self.least(stage, holders, choice, by_load), "hit"
+
+
+class CostPolicy(RoutingPolicy):
+    """The least estimated time to first token (estimated_seconds): queue, uncached prompt and transfer,
+    each at the instance's learned rates, in one unit, so that a cached prefix and a queue trade off."""
+    name = "cost"
+    uses_prefix = True
+
+    def choose(self, stage, candidates, choice):
+        return self.least(stage, candidates, choice, lambda inst: estimated_seconds(stage, inst, choice)), "least"
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {cls.name: cls for cls in (RoundRobinPolicy, LeastLoadPolicy,
+                                                                       PrefixAffinityPolicy, CostPolicy)}
+
+
+# --- the router --------------------------------------------------------------------------------------------
+
+class Router:
+    def __init__(self, instances: Iterable[Instance], policy: str | RoutingPolicy = "round-robin",
+                 config: RouterConfig | None = None, index: PrefixIndex | None = None) -> None:
+        self.instances = list(instances)
+        if not self.instances:
+            raise ValueError("instances: the router needs at least one")
+        self.by_name = {inst.name: inst for inst in self.instances}
+        if len(self.by_name) != len(self.instances):
+            raise ValueError("instances: names must be unique")
+        self.config = config or RouterConfig()
+        if isinstance(policy, str):
+            if policy not in POLICIES:
+                raise ValueError(f"policy: one of {', '.join(POLICIES)}, got {policy!r}")
+            policy = POLICIES[policy](self.config)
+        self.policy = policy
+        self.index = index if index is not None else PrefixIndex()
+        self.position = {inst.name: i for i, inst in enumerate(self.instances)}
+        self.has_prefill_pool = any(inst.role == "prefill" for inst in self.instances)
+        if self.has_prefill_pool and not any(inst.role == "decode" for inst in self.instances):
+            raise ValueError("instances: prefill instances need decode instances to hand their KV to")
+        if not any(inst.role in ("decode", "colocated") for inst in self.instances):
+            raise ValueError("instances: the router needs decode or colocated instances")
+        # Plain counters for /metrics and /cluster.
+        self.decisions: dict[str, int] = dict.fromkeys(REASONS, 0)
+        self.picks: dict[str, int] = {}           # "stage:outcome" → count, e.g. "prefill:spill"
+        self.num_no_candidate = self.num_replacements = self.num_no_replacement = 0
+
+    @property
+    def mode(self) -> str:
+        return "pd" if self.has_prefill_pool else "colocated"
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether route() needs the prompt's token ids and block hashes (else num_prompt_tokens suffices,
+        and the caller can skip tokenizing)."""
+        return self.policy.uses_prefix or (self.has_prefill_pool and self.config.pd_min_prompt_tokens > 0)
+
+    def hash_params(self) -> tuple[int, str]:
+        """(block_size, hash_extra) to hash prompts with: as the instances report them. A pool is meant to
+        share one model and block size; an instance that differs simply never matches."""
+        for inst in self.instances:
+            if inst.report is not None and inst.report.block_size is not None:
+                return inst.block_size, inst.hash_extra
+        return DEFAULT_BLOCK_SIZE, ""
+
+    def request(self, num_prompt_tokens: int, max_tokens: int | None,
+                token_ids: Sequence[int] | None = None) -> RouteRequest:
+        if token_ids is None:
+            return RouteRequest(num_prompt_tokens, max_tokens)
+        block_size, hash_extra = self.hash_params()
+        return RouteRequest.from_token_ids(token_ids, max_tokens, block_size, hash_extra)
+
+    # --- deciding -----------------------------------------------------------------------------------------
+
+    def route(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0) -> Route | None:
+        """Where the request goes; None when no instance can take it. exclude: names that failed it."""
+        prefills = [inst for inst in self.instances if inst.role == "prefill" and self._admits(inst, req, exclude)]
+        directs = [inst for inst in self.instances
+                   if inst.role in ("decode", "colocated") and self._admits(inst, req, exclude)]
+        if not directs:
+            self.num_no_candidate += 1
+            return None
+        choice = self._choice(req, prefills + directs, now)
+        if not self.has_prefill_pool:
+            return self._direct(directs, choice, "colocated")
+        threshold = self.config.pd_min_prompt_tokens
+        if req.num_prompt_tokens < threshold:
+            return self._direct(directs, choice, "short_prompt")
+        holders = [inst for inst in directs if choice.uncached(inst) < threshold]
+        if holders:   # a follow-up turn: the D computes the few new tokens sooner than a P hop would take
+            return self._direct(holders, choice, "decode_has_prefix")
+        decodes = [inst for inst in directs if inst.role == "decode"]
+        if not prefills:
+            return self._saturated(directs, choice, exclude)
+        if not decodes:   # no D can take a P's KV now, but colocated instances can serve on their own
+            return self._direct(directs, choice, "colocated")
+        prefill, outcome = self.policy.choose(PREFILL, prefills, choice)
+        self._count_pick(PREFILL, outcome)
+        decode, outcome = self.policy.choose(DECODE, decodes, choice)
+        self._count_pick(DECODE, outcome)
+        self.decisions["disaggregated"] += 1
+        return Route(prefill, decode, "disaggregated")
+
+    def replacement(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0) -> Instance | None:
+        """A decode or colocated instance to resume a failed stream on: it computes the prompt (and the tokens
+        already sent) itself. Under the caps when one is; else any available one, since losing a stream
+        the client is reading costs more than one request over a cap (the instance's admission still
+        decides)."""
+        available = [inst for inst in self.instances if inst.role in ("decode", "colocated")
+                     and inst.is_available and inst.name not in exclude]
+        candidates = [inst for inst in available if self._admits(inst, req, exclude)] or available
+        if not candidates:
+            self.num_no_replacement += 1
+            return None
+        inst, outcome = self.policy.choose(DIRECT, candidates, self._choice(req, candidates, now))
+        self._count_pick(DIRECT, outcome)
+        self.num_replacements += 1
+        return inst
+
+    def _admits(self, inst: Instance, req: RouteRequest, exclude: Collection[str]) -> bool:
+        """The hard caps of docs/router.md, step 1."""
+        if not inst.is_available or inst.name in exclude:
+            return False
+        cap = self.config.max_per_instance
+        if cap is not None and inst.num_in_flight >= cap:
+            return False
+        if inst.role == "prefill":
+            held = inst.held_fraction
+            return held is None or held < self.config.max_held_fraction
+        free = inst.free_blocks
+        if free is None:
+            return True
+        needed = inst.blocks_for(req.num_prompt_tokens + (req.max_tokens or 1))
+        # A request larger than the whole cache is the instance's to refuse (with a 400 naming the limit),
+        # not the router's to turn into a 503 the client would retry forever.
+        return free >= needed or needed > (inst.num_blocks or 0)
+
+    def _choice(self, req: RouteRequest, candidates: Sequence[Instance], now: float) -> Choice:
+        cached: dict[str, int] = {}
+        if req.block_hashes and self.needs_tokens:   # else nothing looks at what is cached
+            matched = self.index.match(req.block_hashes, [inst.name for inst in candidates], now)
+            for name, num_blocks in matched.items():
+                cached[name] = min(req.num_prompt_tokens, num_blocks * self.by_name[name].block_size)
+        return Choice(req, cached, self.position, now)
+
+    def _direct(self, candidates: Sequence[Instance], choice: Choice, reason: str) -> Route:
+        inst, outcome = self.policy.choose(DIRECT, candidates, choice)
+        self._count_pick(DIRECT, outcome)
+        self.decisions[reason] += 1
+        return Route(None, inst, reason)
+
+    def _saturated(self, directs: Sequence[Instance], choice: Choice, exclude: Collection[str]) -> Route | None:
+        """No P can take the prompt. While some P is up but at a cap, a D prefills only with headroom: the
+        load is better refused (a 503, retried) than stalling the D's streams; colocated instances prefill
+        as their job. When every P is down or has failed this request, any D: serving slower beats not
+        serving."""
+        some_prefill_up = any(inst.role == "prefill" and inst.is_available and inst.name not in exclude
+                              for inst in self.instances)
+        candidates = directs
+        if some_prefill_up:
+            headroom = self.config.direct_prefill_headroom_s
+            candidates = [inst for inst in directs if inst.role == "colocated"
+                          or prefill_seconds(inst, choice.uncached(inst)) <= headroom]
+        if not candidates:
+            self.num_no_candidate += 1
+            return None
+        return self._direct(candidates, choice, "prefill_saturated")
+
+    def _count_pick(self, stage: str, outcome: str) -> None:
+        key = f"{stage}:{outcome}"
+        self.picks[key] = self.picks.get(key, 0) + 1
+
+    # --- the caller's accounting --------------------------------------------------------------------------
+
+    def begin(self, inst: Instance, req: RouteRequest, now: float, *, computes_prompt: bool) -> Ticket:
+        """The caller sends the request to `inst` now. computes_prompt: it prefills (a P, a direct route or
+        a replacement), else it reads the prompt's KV from a P. Counts it in flight there and predicts
+        that the instance will hold the prompt's blocks."""
+        cached_blocks = 0
+        if req.block_hashes:
+            cached_blocks = self.index.match(req.block_hashes, [inst.name], now).get(inst.name, 0)
+        cached_tokens = min(req.num_prompt_tokens, cached_blocks * inst.block_size)
+        num_tokens = req.num_prompt_tokens if inst.role == "prefill" else req.num_prompt_tokens + (req.max_tokens or 1)
+        ticket = inst.begin(num_prompt_tokens=req.num_prompt_tokens - cached_tokens if computes_prompt else 0,
+                            num_blocks=max(0, inst.blocks_for(num_tokens) - cached_blocks))
+        if req.block_hashes:
+            self.index.predict(inst.name, req.block_hashes, now)
+        return ticket
+
+    @staticmethod
+    def end(inst: Instance, ticket: Ticket) -> None:
+        inst.end(ticket)
+
+    # --- reporting ----------------------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, Any]:
+        return {"policy": self.policy.name, "decisions": dict(self.decisions), "picks": dict(self.picks),
+                "no_candidate": self.num_no_candidate, "replacements": self.num_replacements,
+                "no_replacement": self.num_no_replacement}
+
+    def cluster_status(self) -> dict[str, Any]:
+        """For GET /cluster (the caller adds what it alone knows, e.g. its requests in flight)."""
+        instances = []
+        for inst in self.instances:
+            entry = inst.status()
+            entry["cached_blocks"] = self.index.num_confirmed(inst.name)
+            entry["predicted_blocks"] = self.index.num_predicted(inst.name)
+            instances.append(entry)
+        return {"mode": self.mode, **self.counters(), "instances": instances}

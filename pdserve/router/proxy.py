@@ -1,54 +1,65 @@
-"""The proxy: an OpenAI-compatible front that pairs a prefill (P) instance with a decode (D) instance.
+"""The router: an OpenAI-compatible front that decides, per request, whether to disaggregate, which prefill (P)
+instance computes the prompt and which decode (D) or colocated instance generates (docs/router.md).
 
-Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions` in P/D mode:
+Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions`:
 1. Admission: past --max-in-flight requests a 503 with Retry-After. Check the api key (if set); read the
    client's JSON object within the body timeout (parsed off the event loop when large), else 400/408/413.
    Drop any kv_transfer_params, resume or router_token_ids the client sent: those are the router's alone.
-   Take the client's X-Request-Id or make one: both hops carry it, and the router key, never the client's
+   Take the client's X-Request-Id or make one: every hop carries it, and the router key, never the client's
    Authorization. Check the body against the OpenAI schema (protocol.py) before any backend works on it: a
    request D would refuse must not cost a prefill first (400 naming the field).
-2. Prefill hop: pick a P (round-robin) and POST it the body with `kv_transfer_params: {do_remote_decode: true}`,
+2. Route (policy.py): the prompt's token ids (tokenized here with the instances' tokenizer when the policy
+   or the PD decider needs them) and block hashes, matched against the instances' cached blocks
+   (prefix_index.py, fed by monitor.py), give a Route: a P and a D, or a D (or colocated instance) alone
+   that prefills the request itself. No instance under its caps: the request waits for one, up to
+   --queue-timeout, with at most --max-queued others; then a 503 with Retry-After.
+3. Prefill hop (disaggregated): POST the P the body with `kv_transfer_params: {do_remote_decode: true}`,
    `stream: false`, no `stream_options`, and the client's own max_tokens: P checks prompt + max_tokens against
    its context, as D will, then generates one token (a prefill for a remote decode always does).
-   A 503 from a backend (at capacity) goes to the client as a 503 with its Retry-After, after the other P.
    A 4xx from P (validation) goes to the client as is, except 401/403 (the router's own key was refused: a
-   502). A connection error, timeout or 5xx is retried once on another P when there is one, then becomes a
-   502 naming the P by its pool and index ("prefill-0"); URLs and backend error text stay in the log.
-3. Take `kv_transfer_params` from P's JSON answer; missing: 502 naming the P.
-4. Decode hop: pick a D and POST it the original body plus those `kv_transfer_params` (and, streaming,
-   `router_token_ids`: each chunk also carries its tokens, for step 6). Before any byte of the answer: a 4xx
-   goes to the client as is; anything else is a failure of D (step 6).
-5. Answer: streaming, relay D's events to the client as they come, whole events only, less the router's token
+   502). A 503 (P at capacity), a connection error, a timeout or a 5xx routes the request once more without
+   that P (to another P, or straight to a D when no P is left); then the error goes to the client: a 503 with
+   its Retry-After, else a 502 naming the P by its pool and index ("prefill-0"); URLs and backend error
+   text stay in the log.
+4. Take `kv_transfer_params` from P's JSON answer; missing: 502 naming the P.
+5. Decode hop: POST the D the original body plus those `kv_transfer_params` (and, streaming,
+   `router_token_ids`: each chunk also carries its tokens, for step 7). Before any byte of the answer: a 4xx
+   goes to the client as is; anything else is a failure of D (step 7).
+6. Answer: streaming, relay D's events to the client as they come, whole events only, less the router's token
    ids (relay.py); else return D's JSON. D saw the whole prompt, so its usage is the client's. The first bytes
    from D end time to first token.
-6. D fails (no answer, a 5xx, the connection dropped or timed out mid-stream, an error event other than the
-   request's own deadline): the request is resumed on another D (or, colocated, another instance), at most
-   --max-recoveries times, without kv_transfer_params (that D computes the prompt itself) and with
-   `resume: {token_ids, num_tokens}`, the tokens the client has already received; the new D goes on from
-   there and its events reach the client as the same stream (the first one's id, created and model). Nothing
-   to resume on (or the limit reached, or a stream without token ids): before any byte a 502 naming the D
-   (a 503 with its Retry-After), after it an SSE error event, then `data: [DONE]`.
-7. Client disconnect: the handler is cancelled (handler_cancellation) or its write fails; closing the upstream
-   response closes D's connection, or P's during step 2, and that backend aborts the request.
-8. D never took the request (no connection, or it answered with an error status): POST P /v1/kv/release with
+7. D fails (no answer, a 5xx, the connection dropped or timed out mid-stream, an error event other than the
+   request's own deadline): the request is resumed on another D or colocated instance, at most
+   --max-recoveries times, without kv_transfer_params (that instance computes the prompt itself) and with
+   `resume: {token_ids, num_tokens}`, the tokens the client has already received; the new instance goes on
+   from there and its events reach the client as the same stream (the first one's id, created and model).
+   Nothing to resume on (or the limit reached, or a stream without token ids): before any byte a 502 naming
+   the D (a 503 with its Retry-After), after it an SSE error event, then `data: [DONE]`.
+8. Client disconnect: the handler is cancelled (handler_cancellation) or its write fails; closing the upstream
+   response closes D's connection, or P's during step 3, and that backend aborts the request.
+9. D never took the request (no connection, or it answered with an error status): POST P /v1/kv/release with
    the kv_transfer_params, in the background, so P frees the blocks now instead of when its lease runs out.
    Not on a timeout or a client disconnect: D may be reading P's blocks then, and it releases or finishes
    the read itself once its connection closes.
-Colocated mode skips steps 2-3: step 4 sends the body to a round-robin colocated instance.
-POST /tokenize and /detokenize go to a decode (or colocated) instance as they are.
-This module admits requests and serves the routes; hops.py runs steps 2-3 and 8, recovery.py steps 4-6, and
-errors.py words what a client learns of a failure.
+POST /tokenize and /detokenize, GET /v1/models go to an available decode (or colocated) instance as they are.
+GET /cluster: every instance with its state, load and learned rates, and the routing counters (JSON).
+This module admits requests and serves the routes; hops.py runs steps 3-4 and 9, recovery.py steps 5-7,
+monitor.py keeps the instances' view, and errors.py words what a client learns of a failure.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import copy
 import logging
 import os
 import sys
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -62,58 +73,90 @@ from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolE
 from pdserve.router.errors import (NETWORK_ERRORS, BackendError, ClientError, describe, json_error, json_errors,
                                    public_detail)
 from pdserve.router.hops import prefill_hop, release_on_prefill
+from pdserve.router.instances import Instance, Ticket
 from pdserve.router.metrics import ProxyMetrics
-from pdserve.router.policy import Policy, RoundRobin
+from pdserve.router.monitor import DEFAULT_EJECT_AFTER, DEFAULT_POLL_INTERVAL_S, Monitor, StartupError
+from pdserve.router.policy import (DEFAULT_MAX_HELD_FRACTION, DEFAULT_PD_MIN_PROMPT_TOKENS, POLICIES, Route,
+                                   Router, RouterConfig, RouteRequest)
 from pdserve.router.recovery import final_hop
+from pdserve.tokenization import apply_chat_template, tokenize
 
 logger = logging.getLogger(__name__)
 
 ROUTER_FIELDS = ("kv_transfer_params", "resume", "router_token_ids")   # dropped from client bodies
 DEFAULT_MAX_RECOVERIES = 2
+DEFAULT_POLICY = "round-robin"
+DEFAULT_QUEUE_TIMEOUT_S = 30.0
+DEFAULT_MAX_QUEUED = 1024
 
 
-def parse_body(data: bytes, schema=None) -> dict:
-    """The client's JSON object, checked against `schema` (a protocol request class) when given."""
+def parse_body(data: bytes, schema=None) -> tuple[dict, Any]:
+    """The client's JSON object, and its parsed form when `schema` (a protocol request class) is given."""
     try:
         body = parse_json(data)
         if not isinstance(body, dict):
             raise ProtocolError(400, "request body must be a JSON object")
-        if schema is not None:
-            schema.from_json(body)
+        parsed = schema.from_json(body) if schema is not None else None
     except ProtocolError as e:
         raise ClientError(e.status, e.message, e.param) from None
-    return body
+    return body, parsed
 
 
 class Proxy:
-    def __init__(self, prefill: Policy | None, decode: Policy | None, colocated: Policy | None,
-                 api_key: str | None, timeout: float, connect_timeout: float,
-                 router_key: str | None = None, max_in_flight: int = 4096, body_timeout: float = 30.0,
-                 max_body_bytes: int = 32 << 20, max_recoveries: int = DEFAULT_MAX_RECOVERIES) -> None:
-        self.prefill, self.decode, self.colocated = prefill, decode, colocated
+    def __init__(self, router: Router, monitor: Monitor, api_key: str | None, timeout: float,
+                 connect_timeout: float, router_key: str | None = None, max_in_flight: int = 4096,
+                 body_timeout: float = 30.0, max_body_bytes: int = 32 << 20,
+                 max_recoveries: int = DEFAULT_MAX_RECOVERIES, tokenizer: Any = None,
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_queued: int = DEFAULT_MAX_QUEUED,
+                 startup_timeout: float | None = None) -> None:
+        self.router, self.monitor = router, monitor
         self.max_recoveries = max_recoveries
         self.api_key, self.router_key = api_key, router_key
         self.max_in_flight, self.body_timeout, self.max_body_bytes = max_in_flight, body_timeout, max_body_bytes
-        self.num_in_flight = 0
+        self.queue_timeout, self.max_queued, self.startup_timeout = queue_timeout, max_queued, startup_timeout
+        self.num_in_flight = self.num_queued = 0
         # total=None: a long stream is fine; a backend silent for `timeout` seconds is not.
         # sock_connect, not connect: the latter would also count waiting for a pool slot as the backend's.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
         self.session: aiohttp.ClientSession | None = None
-        self.metrics = ProxyMetrics()
+        self.metrics = ProxyMetrics(router)
         self.releases: set[asyncio.Task] = set()  # in the background: the client's answer does not wait
         # What clients (and metric labels) call each backend: its pool and index, never its address.
-        self.names = {url: f"{role}-{i}" for role, pool in (("prefill", prefill), ("decode", decode),
-                                                            ("colocated", colocated)) if pool is not None
-                      for i, url in enumerate(pool.urls)}
+        self.names = {inst.url: inst.name for inst in router.instances}
+        self.tokenizers = RouterTokenizers(tokenizer) if tokenizer is not None else None
+        self.capacity = asyncio.Event()   # pulsed when a hop ends or a poll round lands: waiters look again
+        self.next_passthrough = 0
 
     async def session_ctx(self, app: web.Application):
         # Admission bounds the hops: a request holds one backend connection at a time, plus a release in
         # the background. A smaller pool would make requests past it wait for a slot and time out as if
-        # the backend had (a 502 blaming a healthy instance) instead of the 503 admission gives.
-        connector = aiohttp.TCPConnector(limit=2 * self.max_in_flight, limit_per_host=0)
+        # the backend had (a 502 blaming a healthy instance) instead of the 503 admission gives. The
+        # monitor's polls share it: one connection per instance.
+        connector = aiohttp.TCPConnector(limit=2 * self.max_in_flight + len(self.router.instances),
+                                         limit_per_host=0)
         self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+        if self.startup_timeout is not None:
+            await self.monitor.check_at_start(self.session, self.startup_timeout)
+        self.monitor.on_round = self.pulse_capacity
+        monitor = asyncio.get_running_loop().create_task(self.monitor.run(self.session))
         yield
+        monitor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await monitor
+        if self.tokenizers is not None:
+            self.tokenizers.shutdown()
         await self.session.close()
+
+    def pulse_capacity(self) -> None:
+        self.capacity.set()
+        self.capacity = asyncio.Event()
+
+    def begin(self, inst: Instance, req: RouteRequest, *, computes_prompt: bool) -> Ticket:
+        return self.router.begin(inst, req, time.monotonic(), computes_prompt=computes_prompt)
+
+    def end(self, inst: Instance, ticket: Ticket) -> None:
+        self.router.end(inst, ticket)
+        self.pulse_capacity()
 
     def is_authorized(self, request: web.Request) -> bool:
         return self.api_key is None or secret_matches(bearer_token(request), self.api_key)
@@ -124,7 +167,7 @@ class Proxy:
             headers[ROUTER_KEY_HEADER] = self.router_key
         return headers
 
-    async def read_body(self, request: web.Request, schema=None) -> dict:
+    async def read_body(self, request: web.Request, schema=None) -> tuple[dict, Any]:
         try:
             data = await read_body(request, self.body_timeout, self.max_body_bytes)
         except ProtocolError as e:
@@ -132,6 +175,49 @@ class Proxy:
         if len(data) <= INLINE_PARSE_BYTES:
             return parse_body(data, schema)
         return await asyncio.to_thread(parse_body, data, schema)
+
+    async def route_request(self, parsed: Any, num_chars: int) -> RouteRequest:
+        """What the router needs to know of the prompt: its token ids when the policy or the decider look
+        at cached prefixes (tokenized as the instances do), else its length (exact for token ids, about a
+        token per 4 characters for text)."""
+        max_tokens = getattr(parsed, "max_tokens", None)
+        prompt = getattr(parsed, "prompt", None)
+        if isinstance(prompt, list):
+            return self.router.request(len(prompt), max_tokens, prompt if self.router.needs_tokens else None)
+        if self.tokenizers is None or not self.router.needs_tokens:
+            return self.router.request(max(1, num_chars // 4), max_tokens)
+        token_ids = await self.tokenizers.tokenize(parsed, num_chars)
+        return self.router.request(len(token_ids), max_tokens, token_ids)
+
+    async def wait_for_route(self, req: RouteRequest, failed: set[str]) -> Route:
+        """A route now, or once an instance has room again (backpressure: requests wait here, bounded in
+        number and time, instead of piling onto instances); ClientError 503 when none comes."""
+        route = self.router.route(req, exclude=failed, now=time.monotonic())
+        if route is not None:
+            return route
+        if not any(inst.is_available and inst.name not in failed for inst in self.router.instances):
+            raise ClientError(503, "no instance is available to serve the request (every one is down or "
+                                   "failed it); retry later", retry_after=RETRY_AFTER_S)
+        if self.num_queued >= self.max_queued or self.queue_timeout <= 0:
+            self.metrics.num_rejected.inc()
+            raise ClientError(503, f"every instance is at capacity and {self.num_queued} requests wait for one; "
+                                   f"retry later", retry_after=RETRY_AFTER_S)
+        deadline = time.monotonic() + self.queue_timeout
+        self.num_queued += 1
+        self.metrics.num_queued.inc()
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.capacity.wait(), left)
+                route = self.router.route(req, exclude=failed, now=time.monotonic())
+                if route is not None:
+                    return route
+        finally:
+            self.num_queued -= 1
+            self.metrics.num_queued.dec()
+        self.metrics.num_rejected.inc()
+        raise ClientError(503, f"no instance had room for the request within {self.queue_timeout:g} s; retry "
+                               f"later", retry_after=RETRY_AFTER_S)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.metrics.num_requests.inc()
@@ -147,16 +233,12 @@ class Proxy:
             if not self.is_authorized(request):
                 raise ClientError(401, "invalid or missing API key (Authorization: Bearer <key>)")
             is_chat = request.path.endswith("/chat/completions")
-            body = await self.read_body(request, ChatCompletionRequest if is_chat else CompletionRequest)
+            body, parsed = await self.read_body(request, ChatCompletionRequest if is_chat else CompletionRequest)
             for field in ROUTER_FIELDS:   # the router's to set, never the client's
                 body.pop(field, None)
             start, headers = time.monotonic(), self.backend_headers(request_id)
-            if self.colocated is not None:  # colocated: no prefill hop
-                return await final_hop(self, request, "colocated", self.colocated, body, headers, start)
-            prefill_url, kv_transfer_params = await prefill_hop(self, request.path, body, headers, is_chat)
-            return await final_hop(
-                self, request, "decode", self.decode, body, headers, start, kv_transfer_params=kv_transfer_params,
-                release=lambda: release_on_prefill(self, prefill_url, kv_transfer_params, headers))
+            req = await self.route_request(parsed, request.content_length or 0)
+            return await self.serve(request, req, body, headers, start)
         except ClientError as e:
             self.metrics.num_errors.inc()
             return e.response()
@@ -172,54 +254,129 @@ class Proxy:
             self.num_in_flight -= 1
             self.metrics.num_in_flight.dec()
 
+    async def serve(self, request: web.Request, req: RouteRequest, body: dict, headers: dict,
+                    start: float) -> web.StreamResponse:
+        """Steps 2-7: route, then the prefill hop (routed once more without a P that failed it) and the
+        decode hop, or the direct hop alone."""
+        failed: set[str] = set()
+        while True:
+            route = await self.wait_for_route(req, failed)
+            if route.prefill is None:
+                return await final_hop(self, request, req, route.decode, body, headers, start)
+            prefill = route.prefill
+            ticket = self.begin(prefill, req, computes_prompt=True)
+            try:
+                params = await prefill_hop(self, prefill, ticket, request.path, body, headers)
+            except BackendError as e:
+                failed.add(prefill.name)
+                if not e.is_retryable or len(failed) == 2:
+                    raise
+                logger.warning("request %s: %s; routing it again without %s", headers["X-Request-Id"], e,
+                               prefill.name)
+                self.metrics.num_prefill_retries.inc()
+                continue
+            return await final_hop(
+                self, request, req, route.decode, body, headers, start, kv_transfer_params=params,
+                release=lambda: release_on_prefill(self, prefill.url, params, headers))
+
+    def passthrough_instance(self) -> Instance | None:
+        """The next available decode or colocated instance, round-robin."""
+        pool = [inst for inst in self.router.instances if inst.role != "prefill" and inst.is_available]
+        if not pool:
+            return None
+        inst = pool[self.next_passthrough % len(pool)]
+        self.next_passthrough += 1
+        return inst
+
     async def passthrough(self, request: web.Request) -> web.Response:
-        """GET /v1/models, POST /tokenize, /detokenize: asked of one decode (or colocated) instance."""
+        """GET /v1/models, POST /tokenize, /detokenize: asked of one available decode (or colocated) instance,
+        the next one when it cannot be reached."""
         if not self.is_authorized(request):
             return json_error("invalid or missing API key (Authorization: Bearer <key>)", 401)
-        pool = self.colocated or self.decode
-        url = pool.pick()
         headers = self.backend_headers(request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}")
         try:
-            data = None if request.method == "GET" else await self.read_body(request)
-            async with self.session.request(request.method, url + request.path, json=data, headers=headers,
-                                            timeout=aiohttp.ClientTimeout(total=60)) as resp:
-                if resp.status in (401, 403):
-                    raise BackendError("decode", url, f"HTTP {resp.status}", public_detail="refused the router")
-                return web.Response(status=resp.status, body=await resp.read(),
-                                    headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+            data = None if request.method == "GET" else (await self.read_body(request))[0]
         except ClientError as e:
             return json_error(e.message, e.status)
-        except NETWORK_ERRORS as e:
-            logger.warning("%s %s on %s failed: %s", request.method, request.path, url, describe(e))
-            return json_error(f"the {self.names[url]} instance {public_detail(e)}", 502, "backend_error")
-        except BackendError as e:
-            logger.warning("%s %s: %s", request.method, request.path, e)
-            return e.response(self.names)
-        finally:
-            pool.release(url)
+        tried: set[str] = set()
+        while (inst := self.passthrough_instance()) is not None and inst.name not in tried:
+            tried.add(inst.name)
+            try:
+                async with self.session.request(request.method, inst.url + request.path, json=data,
+                                                headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                    if resp.status in (401, 403):
+                        raise BackendError(inst.role, inst.url, f"HTTP {resp.status}",
+                                           public_detail="refused the router")
+                    return web.Response(status=resp.status, body=await resp.read(), headers={
+                        "Content-Type": resp.headers.get("Content-Type", "application/json")})
+            except NETWORK_ERRORS as e:
+                logger.warning("%s %s on %s failed: %s", request.method, request.path, inst.url, describe(e))
+                if isinstance(e, aiohttp.ClientConnectorError):
+                    self.monitor.connect_failed(inst, e)
+                error = json_error(f"the {inst.name} instance {public_detail(e)}", 502, "backend_error")
+            except BackendError as e:
+                logger.warning("%s %s: %s", request.method, request.path, e)
+                return e.response(self.names)
+        if not tried:
+            return json_error("no decode or colocated instance is available; retry later", 503, "unavailable")
+        return error
+
+    def backends(self) -> dict[str, list[dict]]:
+        backends: dict[str, list[dict]] = {}
+        for inst in self.router.instances:
+            backends.setdefault(inst.role, []).append(
+                {"name": inst.name, "healthy": inst.is_available, "detail": inst.detail or "ok"})
+        return backends
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the proxy is up; each backend's own /health, probed with a short timeout, as detail.
-        Backends are named by pool and index, as everywhere a client can see."""
-        pools = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}
-        backends = {role: [{"name": self.names[url]} for url in pool.urls]
-                    for role, pool in pools.items() if pool is not None}
-        urls = [url for pool in pools.values() if pool is not None for url in pool.urls]
-        entries = [entry for role_entries in backends.values() for entry in role_entries]
-        for entry, (is_healthy, detail) in zip(entries, await asyncio.gather(*(self.probe(url) for url in urls))):
-            entry.update(healthy=is_healthy, detail=detail)
-        return web.json_response({"status": "ok", "mode": "colocated" if self.colocated else "pd",
-                                  "backends": backends})
+        """200 while some decode or colocated instance is available (with no P left, those prefill requests
+        themselves); else 503. Each instance's state as the monitor sees it, named by pool and index."""
+        can_serve = any(inst.is_available for inst in self.router.instances if inst.role != "prefill")
+        return web.json_response({"status": "ok" if can_serve else "unavailable", "mode": self.router.mode,
+                                  "backends": self.backends()}, status=200 if can_serve else 503)
 
-    async def probe(self, url: str) -> tuple[bool, str]:
-        try:
-            async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
-                return resp.status == 200, f"HTTP {resp.status}"
-        except NETWORK_ERRORS as e:
-            return False, public_detail(e)
+    async def cluster(self, request: web.Request) -> web.Response:
+        """GET /cluster: every instance with its role, state, load and learned rates, the routing counters."""
+        if not self.is_authorized(request):
+            return json_error("invalid or missing API key (Authorization: Bearer <key>)", 401)
+        status = self.router.cluster_status()
+        status.update(num_in_flight=self.num_in_flight, num_queued=self.num_queued,
+                      pd_min_prompt_tokens=self.router.config.pd_min_prompt_tokens)
+        return web.json_response(status)
 
     async def render_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+class RouterTokenizers:
+    """The instances' tokenizer, for routing only: small prompts tokenized on the event loop (well under a
+    millisecond), larger ones on one worker thread with its own copy (a tokenizer is not safe to share
+    between threads), so a long prompt never holds up the loop."""
+
+    INLINE_CHARS = 2048
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.inline = tokenizer
+        self.worker = copy.deepcopy(tokenizer)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-tokenizer")
+
+    async def tokenize(self, parsed: Any, num_chars: int) -> list[int]:
+        try:
+            if num_chars <= self.INLINE_CHARS:
+                return self._tokenize(self.inline, parsed)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, self._tokenize, self.worker,
+                                                                    parsed)
+        except ProtocolError as e:
+            raise ClientError(e.status, e.message, e.param) from None
+
+    @staticmethod
+    def _tokenize(tokenizer: Any, parsed: Any) -> list[int]:
+        if isinstance(parsed, ChatCompletionRequest):
+            return apply_chat_template(tokenizer, parsed)
+        return tokenize(tokenizer, parsed.prompt)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
@@ -230,29 +387,56 @@ def normalize_url(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
+def build_instances(prefill_urls: Sequence[str], decode_urls: Sequence[str],
+                    colocated_urls: Sequence[str]) -> list[Instance]:
+    """One Instance per URL, named by pool and index; ValueError naming a duplicate URL."""
+    instances, seen = [], {}
+    for role, urls in (("prefill", prefill_urls), ("decode", decode_urls), ("colocated", colocated_urls)):
+        for i, raw in enumerate(urls or ()):
+            url = normalize_url(raw)
+            if url in seen:
+                raise ValueError(f"{raw}: given twice (as {seen[url]} and as {role}-{i}); each instance once")
+            seen[url] = f"{role}-{i}"
+            instances.append(Instance(f"{role}-{i}", url, role))
+    return instances
+
+
 def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
                     colocated_urls: Sequence[str] | None = None, api_key: str | None = None,
                     timeout: float = 600.0, connect_timeout: float = 10.0,
                     *, router_key: str | None = None, max_in_flight: int = 4096,
                     max_body_bytes: int = 32 << 20, body_timeout: float = 30.0,
-                    max_recoveries: int = DEFAULT_MAX_RECOVERIES) -> web.Application:
-    """P/D mode needs prefill_urls and decode_urls; colocated mode needs only colocated_urls.
+                    max_recoveries: int = DEFAULT_MAX_RECOVERIES, policy: str = DEFAULT_POLICY,
+                    router_config: RouterConfig | None = None, tokenizer: Any = None,
+                    poll_interval: float = DEFAULT_POLL_INTERVAL_S, eject_after: int = DEFAULT_EJECT_AFTER,
+                    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_queued: int = DEFAULT_MAX_QUEUED,
+                    startup_timeout: float | None = None) -> web.Application:
+    """Prefill and decode instances (P/D), colocated instances, or all three (the router may then send a
+    request to a colocated instance instead of splitting it).
 
     timeout: seconds a backend may stay silent (between bytes) before the hop fails.
+    startup_timeout: when given, the app's start waits for every instance to answer its /v1/load with the
+    role of its pool, and fails (StartupError naming it) when one does not within that many seconds.
     """
-    pools = [[normalize_url(u) for u in urls or ()] for urls in (prefill_urls, decode_urls, colocated_urls)]
-    if pools[2] and (pools[0] or pools[1]):
-        raise ValueError("colocated_urls: use either colocated backends or prefill+decode backends, not both")
-    if not pools[2] and not (pools[0] and pools[1]):
-        raise ValueError("prefill_urls/decode_urls: P/D mode needs at least one of each (or use colocated_urls)")
-    if max_in_flight < 1:
-        raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
-    if max_recoveries < 0:
-        raise ValueError(f"max_recoveries: must be >= 0, got {max_recoveries}")
-    prefill, decode, colocated = (RoundRobin(urls) if urls else None for urls in pools)
-    proxy = Proxy(prefill, decode, colocated, api_key, timeout, connect_timeout,
-                  router_key=router_key, max_in_flight=max_in_flight, body_timeout=body_timeout,
-                  max_body_bytes=max_body_bytes, max_recoveries=max_recoveries)
+    if bool(prefill_urls) != bool(decode_urls):
+        raise ValueError("prefill_urls/decode_urls: P/D needs at least one of each (prefill instances hand their "
+                         "KV to decode instances)")
+    if not (prefill_urls or colocated_urls):
+        raise ValueError("prefill_urls/decode_urls/colocated_urls: give P and D instances, colocated ones, or both")
+    for name, value, low in (("max_in_flight", max_in_flight, 1), ("max_recoveries", max_recoveries, 0),
+                             ("eject_after", eject_after, 1), ("max_queued", max_queued, 0)):
+        if value < low:
+            raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if not poll_interval > 0:
+        raise ValueError(f"poll_interval: must be > 0 seconds, got {poll_interval}")
+    instances = build_instances(prefill_urls, decode_urls, colocated_urls or ())
+    router = Router(instances, policy, router_config or RouterConfig())
+    headers = {ROUTER_KEY_HEADER: router_key} if router_key is not None else {}
+    monitor = Monitor(instances, router.index, headers=headers, interval=poll_interval, eject_after=eject_after)
+    proxy = Proxy(router, monitor, api_key, timeout, connect_timeout, router_key=router_key,
+                  max_in_flight=max_in_flight, body_timeout=body_timeout, max_body_bytes=max_body_bytes,
+                  max_recoveries=max_recoveries, tokenizer=tokenizer, queue_timeout=queue_timeout,
+                  max_queued=max_queued, startup_timeout=startup_timeout)
     quiet_malformed_requests()
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app[PROXY_KEY] = proxy
@@ -261,42 +445,99 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
                           ("/tokenize", proxy.passthrough), ("/detokenize", proxy.passthrough)):
         app.router.add_post(path, handler, expect_handler=expect_handler)
     for path, handler in (("/v1/models", proxy.passthrough), ("/health", proxy.health),
-                          ("/metrics", proxy.render_metrics)):
+                          ("/cluster", proxy.cluster), ("/metrics", proxy.render_metrics)):
         app.router.add_get(path, handler, expect_handler=expect_handler)
     return app
 
 
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The routing flags `pdserve proxy` and `pdserve up` share."""
+    g = parser.add_argument_group("routing (docs/router.md)")
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
+                   help="how an instance is chosen in each pool: round-robin; least-load (fewest prompt tokens "
+                        "queued on a P, fewest requests on a D); prefix-affinity (the longest cached prefix "
+                        "unless that instance is far busier than the least loaded); cost (the least estimated "
+                        f"time to first token: queue + uncached prompt / learned prefill rate + KV transfer). "
+                        f"Default: {DEFAULT_POLICY}")
+    g.add_argument("--pd-min-prompt-tokens", type=int, default=DEFAULT_PD_MIN_PROMPT_TOKENS, metavar="T",
+                   help="conditional disaggregation: a request whose uncached prompt is shorter than T tokens "
+                        "(or that a D holds all but T tokens of) goes straight to a decode or colocated instance, "
+                        "which prefills it itself; 0: always disaggregate while a P can take it "
+                        f"(default {DEFAULT_PD_MIN_PROMPT_TOKENS})")
+
+
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill instances (P/D mode)")
-    parser.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode instances (P/D mode)")
+    parser.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill instances (--kv-role producer)")
+    parser.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode instances (--kv-role consumer)")
     parser.add_argument("--colocated", nargs="+", default=[], metavar="URL",
-                        help="colocated instances: round-robin, no P/D")
+                        help="colocated instances (no KV connector): alone a load-balanced pool; beside P and D a "
+                             "pool the router may send whole requests to")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default=None,
+                        help="the instances' model (as given to `pdserve serve --model`): the router loads its "
+                             "tokenizer to match prompts against cached KV blocks (prefix-affinity, cost, "
+                             "--pd-min-prompt-tokens); without it, prompts given as text count ~4 characters a "
+                             "token and only token-id prompts match cached prefixes")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"clients must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; prefer the "
                              f"variable, a flag is visible to every local user in ps)")
     parser.add_argument("--router-key", default=os.environ.get(ROUTER_KEY_ENV),
                         help=f"the secret the instances expect from the router (default: ${ROUTER_KEY_ENV}); "
                              f"the client's own Authorization is never forwarded")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a backend may stay silent")
-    parser.add_argument("--max-in-flight", type=int, default=4096,
-                        help="requests served at once; more get a 503 with Retry-After")
-    parser.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body")
-    parser.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES,
-                        help="times one request may be resumed on another decode (or colocated) instance after "
-                             "the one serving it failed; 0: never")
+    add_routing_arguments(parser)
+    g = parser.add_argument_group("limits and health")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds a backend may stay silent")
+    g.add_argument("--max-in-flight", type=int, default=4096,
+                   help="requests served at once; more get a 503 with Retry-After")
+    g.add_argument("--max-per-instance", type=int, default=None,
+                   help="requests in flight on one instance (a hot prefix then spreads over replicas); past it on "
+                        "every instance, requests wait (default: no cap beyond the instances' own admission)")
+    g.add_argument("--max-held-fraction", type=float, default=DEFAULT_MAX_HELD_FRACTION,
+                   help="a P whose KV cache is this much held for D to read takes no new prompt (backpressure "
+                        f"from slow handoffs; default {DEFAULT_MAX_HELD_FRACTION})")
+    g.add_argument("--queue-timeout", type=float, default=DEFAULT_QUEUE_TIMEOUT_S,
+                   help="seconds a request may wait for an instance with room before its 503 "
+                        f"(default {DEFAULT_QUEUE_TIMEOUT_S:g})")
+    g.add_argument("--max-queued", type=int, default=DEFAULT_MAX_QUEUED,
+                   help=f"requests that may wait so at once; more get a 503 at once (default {DEFAULT_MAX_QUEUED})")
+    g.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body")
+    g.add_argument("--max-recoveries", type=int, default=DEFAULT_MAX_RECOVERIES,
+                   help="times one request may be resumed on another decode (or colocated) instance after "
+                        "the one serving it failed; 0: never")
+    g.add_argument("--poll-interval", type=float, default=DEFAULT_POLL_INTERVAL_S,
+                   help=f"seconds between two load reports asked of each instance (default {DEFAULT_POLL_INTERVAL_S:g})")
+    g.add_argument("--eject-after", type=int, default=DEFAULT_EJECT_AFTER,
+                   help="failed checks in a row (polls, refused connections) that take an instance out of routing; "
+                        f"it comes back on its first good poll (default {DEFAULT_EJECT_AFTER})")
+    g.add_argument("--startup-timeout", type=float, default=60.0,
+                   help="seconds every instance has to answer with the role of its pool before the router gives "
+                        "up at start")
 
 
 def main_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        config = RouterConfig(pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+                              max_per_instance=args.max_per_instance, max_held_fraction=args.max_held_fraction)
+        tokenizer = None
+        if args.model is not None:
+            from pdserve.model.loader import load_tokenizer
+            tokenizer = load_tokenizer(args.model)
         app = build_proxy_app(args.prefill, args.decode, args.colocated, api_key=args.api_key,
                               timeout=args.timeout, router_key=args.router_key, max_in_flight=args.max_in_flight,
-                              max_body_bytes=args.max_body_bytes, max_recoveries=args.max_recoveries)
-    except ValueError as e:
+                              max_body_bytes=args.max_body_bytes, max_recoveries=args.max_recoveries,
+                              policy=args.policy, router_config=config, tokenizer=tokenizer,
+                              poll_interval=args.poll_interval, eject_after=args.eject_after,
+                              queue_timeout=args.queue_timeout, max_queued=args.max_queued,
+                              startup_timeout=args.startup_timeout)
+    except (ValueError, OSError) as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2
     # handler_cancellation: a client disconnect cancels the handler, which closes the hop in progress.
-    web.run_app(app, host=args.host, port=args.port, access_log=None, **runner_args())
+    try:
+        web.run_app(app, host=args.host, port=args.port, access_log=None, **runner_args())
+    except StartupError as e:
+        print(f"pdserve proxy: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -18,7 +18,8 @@ from aiohttp import web
 from pdserve.protocol import SSE_DONE, error_body, sse_event
 from pdserve.router.errors import NETWORK_ERRORS, BackendError, describe, public_detail
 from pdserve.router.hops import post, read
-from pdserve.router.policy import Policy
+from pdserve.router.instances import Instance, Ticket
+from pdserve.router.policy import RouteRequest
 from pdserve.router.relay import MalformedStream, StreamRelay
 
 if TYPE_CHECKING:
@@ -27,15 +28,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-async def final_hop(proxy: Proxy, request: web.Request, role: str, pool: Policy, body: dict, headers: dict,
-                    start: float, *, kv_transfer_params: dict | None = None,
+async def final_hop(proxy: Proxy, request: web.Request, req: RouteRequest, inst: Instance, body: dict,
+                    headers: dict, start: float, *, kv_transfer_params: dict | None = None,
                     release: Callable[[], None] | None = None) -> web.StreamResponse:
-    """The decode (or colocated) hop: the client's body, with P's kv_transfer_params in P/D mode. When the
-    instance serving it fails (no answer, a 5xx, a dropped or broken stream), the request is resumed on
-    another instance of the pool, at most max_recoveries times: resubmitted without kv_transfer_params
-    (that instance computes the prompt itself) and, for a stream that has begun, with the tokens the
-    client has received (`resume`), so the client's stream goes on where it stopped. `release`: P's
-    blocks are not needed after all (the first hop never reached a D)."""
+    """The decode (or colocated, or direct) hop on `inst`: the client's body, with P's kv_transfer_params
+    when disaggregated. When the instance serving it fails (no answer, a 5xx, a dropped or broken stream),
+    the request is resumed on another decode or colocated instance the router picks, at most
+    max_recoveries times: resubmitted without kv_transfer_params (that instance computes the prompt itself)
+    and, for a stream that has begun, with the tokens the client has received (`resume`), so the client's
+    stream goes on where it stopped. `release`: P's blocks are not needed after all (the first hop never
+    reached a D)."""
     is_stream = bool(body.get("stream"))
     relay = StreamRelay() if is_stream else None
     hop_body = dict(body, router_token_ids=True) if is_stream else dict(body)
@@ -43,18 +45,20 @@ async def final_hop(proxy: Proxy, request: web.Request, role: str, pool: Policy,
         hop_body["kv_transfer_params"] = kv_transfer_params
     out: web.StreamResponse | None = None   # the client's stream, once begun
     failed: list[str] = []
-    url = pool.pick()
+    computes_prompt = kv_transfer_params is None
     while True:
+        role = inst.role
+        ticket = proxy.begin(inst, req, computes_prompt=computes_prompt)
         try:
             try:
-                resp = await post(proxy, role, url, request.path, hop_body, headers)
+                resp = await post(proxy, role, inst, request.path, hop_body, headers)
             except BackendError as e:
                 if e.never_took_request and release is not None and not failed:
                     release()
                 raise
             try:
                 if not is_stream:
-                    data = await read(role, url, resp)
+                    data = await read(role, inst.url, resp)
                     proxy.metrics.ttft.observe(time.monotonic() - start)
                     return web.Response(status=resp.status, body=data, headers={
                         "Content-Type": resp.headers.get("Content-Type", "application/json"),
@@ -65,7 +69,7 @@ async def final_hop(proxy: Proxy, request: web.Request, role: str, pool: Policy,
                         "Cache-Control": "no-cache", "X-Request-Id": headers["X-Request-Id"]})
                     await out.prepare(request)
                 relay.start_hop(is_resumed=bool(failed))
-                start = await stream(proxy, out, role, url, resp, relay, start)
+                start = await stream(proxy, out, role, inst, resp, relay, start, ticket)
                 await out.write_eof()
                 return out
             finally:
@@ -76,15 +80,16 @@ async def final_hop(proxy: Proxy, request: web.Request, role: str, pool: Policy,
             proxy.metrics.num_client_disconnects.inc()
             return out
         finally:
-            pool.release(url)
+            proxy.end(inst, ticket)
         if error.body is None:
-            proxy.metrics.backend_error(role, proxy.names[url])
-        failed.append(url)
-        reason, url = why_not_resume(error, relay, pool, failed, proxy.max_recoveries)
+            proxy.metrics.backend_error(role, inst.name)
+        failed.append(inst.name)
+        reason, inst = why_not_resume(proxy, error, relay, req, failed)
         if reason is None:
             logger.warning("request %s: %s; resuming on %s after %d tokens", headers["X-Request-Id"], error,
-                           proxy.names[url], relay.num_tokens if relay else 0)
+                           inst.name, relay.num_tokens if relay else 0)
             proxy.metrics.num_recoveries.inc()
+            computes_prompt = True
             hop_body = dict(body, router_token_ids=True) if is_stream else dict(body)
             if relay is not None and relay.num_tokens:
                 hop_body["resume"] = {"token_ids": relay.resume_token_ids(), "num_tokens": relay.num_tokens}
@@ -97,8 +102,8 @@ async def final_hop(proxy: Proxy, request: web.Request, role: str, pool: Policy,
         return out
 
 
-def why_not_resume(error: BackendError, relay: StreamRelay | None, pool: Policy, failed: list[str],
-                   max_recoveries: int) -> tuple[str | None, str | None]:
+def why_not_resume(proxy: Proxy, error: BackendError, relay: StreamRelay | None, req: RouteRequest,
+                   failed: list[str]) -> tuple[str | None, Instance | None]:
     """(None, the instance to resume on), or (why not, None)."""
     if not error.is_retryable or (relay is not None and relay.error_event is not None
                                   and not relay.error_is_recoverable):
@@ -107,10 +112,10 @@ def why_not_resume(error: BackendError, relay: StreamRelay | None, pool: Policy,
         return "after_finish", None
     if relay is not None and not relay.is_tracked:
         return "untracked", None
-    if len(failed) > max_recoveries:
+    if len(failed) > proxy.max_recoveries:
         return "limit", None
-    url = pool.pick(exclude=failed)
-    return ("no_backend", None) if url is None else (None, url)
+    inst = proxy.router.replacement(req, exclude=failed, now=time.monotonic())
+    return ("no_backend", None) if inst is None else (None, inst)
 
 
 async def end_with_error(proxy: Proxy, out: web.StreamResponse, error: BackendError, relay: StreamRelay,
@@ -126,11 +131,13 @@ async def end_with_error(proxy: Proxy, out: web.StreamResponse, error: BackendEr
         await out.write_eof()
 
 
-async def stream(proxy: Proxy, out: web.StreamResponse, role: str, url: str, resp: aiohttp.ClientResponse,
-                 relay: StreamRelay, start: float | None) -> float | None:
+async def stream(proxy: Proxy, out: web.StreamResponse, role: str, inst: Instance, resp: aiohttp.ClientResponse,
+                 relay: StreamRelay, start: float | None, ticket: Ticket) -> float | None:
     """Relay one hop's events to the client until its [DONE]; BackendError when the hop fails first
     (the connection dropped or timed out, the stream ended early or is malformed, or the instance sent
-    an error event). Returns `start`, None once the first bytes went out (time to first token)."""
+    an error event). Returns `start`, None once the first bytes went out (time to first token: the
+    instance's prompt work is done, which the router's load accounting learns then)."""
+    url = inst.url
     while True:
         try:
             chunk = await resp.content.readany()
@@ -152,5 +159,6 @@ async def stream(proxy: Proxy, out: web.StreamResponse, role: str, url: str, res
         if data:
             if start is not None:  # the first bytes
                 proxy.metrics.ttft.observe(time.monotonic() - start)
+                inst.prompt_done(ticket)
                 start = None
             await out.write(data)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import sys
+import types
+
+import pytest
 
 from pdserve import cli
 from pdserve.cluster import instance_command
@@ -62,6 +65,7 @@ def test_up_hands_keys_to_children_through_the_environment_only(monkeypatch):
     class FakeChildren:
         def start(self, cmd, *, name=None, env=None, stdout=None, stderr=None):
             started.append((list(cmd), dict(env or {})))
+            return types.SimpleNamespace(pid=len(started))
 
         def wait_healthy(self, urls, timeout):
             raise RuntimeError("stop here")
@@ -78,3 +82,75 @@ def test_up_hands_keys_to_children_through_the_environment_only(monkeypatch):
     assert len(router_key) >= 32 and d_env["PDSERVE_ROUTER_KEY"] == router_key
     assert p_env["PDSERVE_API_KEY"] == router_key      # instances: only the router gets in
     assert all(router_key not in arg and "client-key" not in arg for arg in p_cmd + d_cmd)
+
+
+def test_a_colocated_instance_has_no_kv_connector():
+    cmd = instance_command("colocated", 1, 8005, model="default", host="127.0.0.1", serve_args=[],
+                           role_args=["--max-num-seqs", "8"], kv_connector="nixl", kv_transfer_config='{"a": 1}',
+                           cores=None)
+    args = cli.build_parser().parse_args(cmd[3:])
+    assert args.kv_connector is None and args.kv_transfer_config is None and args.engine_id == "colocated-1"
+    assert args.max_num_seqs == 8
+
+
+def test_up_checks_its_pools_gpus_and_proxy_flags(monkeypatch, capsys):
+    calls = {}
+    monkeypatch.setattr("pdserve.cluster.run_cluster", lambda **kw: calls.update(kw) or 0)
+    assert cli.main(["up", "--num-colocated", "2", "--policy", "cost", "--pd-min-prompt-tokens", "64",
+                     "--gpus", "0,1", "--proxy-args=--max-per-instance 8"]) == 0
+    assert calls["num_colocated"] == 2 and calls["gpus"] == [0, 1]
+    assert calls["proxy_args"] == ["--policy", "cost", "--pd-min-prompt-tokens", "64", "--max-per-instance", "8"]
+    assert cli.main(["up", "--proxy-args=--max-per-instnace 8"]) == 2
+    assert "--proxy-args" in capsys.readouterr().err
+    assert cli.main(["up", "--gpus", "0,0"]) == 2
+    assert "--gpus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--policy", "fastest"])
+    assert "fastest" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("counts", [(1, 0, 0), (0, 1, 0), (0, 0, 0), (-1, 1, 0)])
+def test_up_refuses_pools_that_cannot_serve(counts, capsys):
+    from pdserve import cluster
+    num_prefill, num_decode, num_colocated = counts
+    assert cluster.run_cluster(model="default", num_prefill=num_prefill, num_decode=num_decode,
+                               num_colocated=num_colocated, host="127.0.0.1", port=9000, serve_args=[],
+                               kv_transfer_config=None, device="cpu") == 2
+    assert "pdserve up" in capsys.readouterr().err
+
+
+def test_the_supervisor_restarts_a_dead_instance_with_backoff_and_gives_up_on_the_router(monkeypatch):
+    from pdserve import cluster
+
+    class Proc:
+        def __init__(self, pid):
+            self.pid, self.returncode = pid, None
+
+        def poll(self):
+            return self.returncode
+
+    class Children:
+        def __init__(self):
+            self.procs, self.names, self.started = [], {}, []
+
+        def start(self, cmd, *, name=None, env=None):
+            proc = Proc(100 + len(self.started))
+            self.procs.append(proc)
+            self.started.append((name, list(cmd)))
+            return proc
+
+    children = Children()
+    instance, router = children.start(["serve"], name="decode-0"), children.start(["proxy"], name="the router")
+    supervisor = cluster.Supervisor(children, {instance.pid: ("decode-0", ["serve"], {})})
+    children.names[router.pid] = "the router"
+    instance.returncode = -9
+    assert supervisor.check(now=0.0) is None and len(children.started) == 2    # waits for the backoff
+    assert supervisor.check(now=cluster.RESTART_BACKOFF_S[0]) is None
+    assert children.started[-1] == ("decode-0", ["serve"])                    # the same command again
+    for n in range(cluster.MAX_RESTARTS):                                       # dies again and again
+        children.procs[-1].returncode = 1
+        reason = supervisor.check(now=100.0 + 40 * n)
+        supervisor.check(now=100.0 + 40 * n + 35)
+    assert reason is not None and "decode-0" in reason
+    router.returncode = 0
+    assert "the router" in cluster.Supervisor(children, {}).check(now=0.0)

@@ -46,6 +46,9 @@ class FakeBackend:
     disconnected: threading.Event = field(default_factory=threading.Event)
     problems: list[str] = field(default_factory=list)     # what the fake found wrong in its requests
     releases: list[dict] = field(default_factory=list)    # bodies of POST /v1/kv/release
+    load: dict = field(default_factory=dict)              # fields of GET /v1/load over the defaults
+    boot_id: str = "boot-1"
+    num_polls: int = 0
 
     @property
     def kv_transfer_params(self) -> dict:
@@ -154,6 +157,16 @@ class FakeBackend:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    async def load_report(self, request: web.Request) -> web.Response:
+        """GET /v1/load as a pdserve instance answers it: its role, an empty cache, and `load` on top."""
+        self.num_polls += 1
+        kv_role = {"prefill": "producer", "decode": "consumer", "colocated": None}[self.role]
+        report = {"boot_id": self.boot_id, "kv_role": kv_role, "healthy": True, "health": "ok",
+                  "block_size": 16, "hash_extra": "", "num_blocks": 1000, "num_free_blocks": 1000,
+                  "kv_events": {"last_seq": 0, "reset": True, "snapshot": [], "batches": []}}
+        report.update(self.load)
+        return web.json_response(report)
+
     async def release(self, request: web.Request) -> web.Response:
         self.releases.append(await request.json())
         return web.json_response({"status": "accepted"}, status=202)
@@ -171,6 +184,7 @@ class FakeBackend:
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/load", self.load_report)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/v1/kv/release", self.release)

@@ -121,12 +121,23 @@ def test_prefill_400_is_passed_through_without_retry(harness):
     assert len(p1.received) + len(p2.received) == 1 and d.received == []
 
 
-def test_missing_kv_transfer_params_gives_502(harness):
+def test_a_prefill_without_kv_transfer_params_is_routed_around(harness):
+    """A P that answers without kv_transfer_params (not a KV producer) fails the prefill hop; with no other
+    P the request goes straight to D, which prefills it itself, and the client gets its answer."""
     p, d = harness.backend("prefill", "no_kv"), harness.backend("decode")
     url = harness.proxy([p], [d])
     status, _, raw = post_raw(url, "/v1/chat/completions", CHAT_BODY)
-    assert status == 502 and error_of(raw)["message"].startswith("the prefill-0 instance answered without")
-    assert "kv_transfer_params" in error_of(raw)["message"] and d.received == []
+    assert status == 200 and len(p.received) == 1
+    [d_hop] = d.received
+    assert "kv_transfer_params" not in d_hop.body
+    assert metrics(url)['pdserve:proxy_routing_decisions_total{reason="prefill_saturated"}'] == 1.0
+
+
+def test_missing_kv_transfer_params_gives_502_naming_the_prefill_when_no_decode_can_serve(harness):
+    p, d = harness.backend("prefill", "no_kv"), harness.backend("decode", "http500")
+    url = harness.proxy([p], [d], max_recoveries=0)
+    status, _, raw = post_raw(url, "/v1/chat/completions", CHAT_BODY)
+    assert status == 502 and error_of(raw)["message"].startswith("the decode-0 instance failed")
 
 
 @pytest.mark.parametrize("mode,status", [("http500", 502), ("http400", 400), ("silent", 502)])
@@ -258,10 +269,15 @@ def test_api_key_is_required_and_the_router_key_replaces_it_on_hops(harness):
 def test_health_reports_each_backend_and_models_come_from_the_first_decode(harness):
     p, d1, d2 = harness.backend("prefill"), harness.backend("decode"), harness.backend("decode")
     down = dead_url()
-    url = harness.proxy([p, down], [d1, d2])
-    with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-        assert resp.status == 200
-        health = json.load(resp)
+    url = harness.proxy([p, down], [d1, d2], poll_interval=0.05)
+    deadline = time.monotonic() + 5
+    while True:   # the monitor ejects the dead P after --eject-after failed polls
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            assert resp.status == 200
+            health = json.load(resp)
+        if not health["backends"]["prefill"][1]["healthy"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert [(b["name"], b["healthy"]) for b in health["backends"]["prefill"]] == [("prefill-0", True),
                                                                                 ("prefill-1", False)]
     assert "127.0.0.1" not in json.dumps(health)
@@ -281,7 +297,10 @@ def test_build_and_cli_validation():
     with pytest.raises(ValueError, match="prefill_urls"):
         build_proxy_app(["http://p:1"], [])
     with pytest.raises(ValueError, match="colocated_urls"):
-        build_proxy_app(["http://p:1"], ["http://d:1"], ["http://c:1"])
+        build_proxy_app([], [], [])
+    with pytest.raises(ValueError, match="given twice"):
+        build_proxy_app(["http://p:1"], ["http://p:1/"])
+    build_proxy_app(["http://p:1"], ["http://d:1"], ["http://c:1"])   # mixed pools: the router may skip P/D
     parser = argparse.ArgumentParser()
     add_proxy_arguments(parser)
     args = parser.parse_args(["--prefill", "p:1", "p:2", "--decode", "d:1", "--port", "9000", "--api-key", "k"])
@@ -300,10 +319,10 @@ def test_client_kv_transfer_params_never_reach_a_backend(harness):
 
 
 def test_a_backend_refusing_the_router_key_is_a_502_not_the_clients_401(harness):
-    p, d = harness.backend("prefill", "http401"), harness.backend("decode")
-    url = harness.proxy([p], [d])
+    c = harness.backend("colocated", "http401")
+    url = harness.proxy(colocated=[c])
     status, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
-    assert status == 502 and error_of(raw)["message"] == "the prefill-0 instance refused the router"
+    assert status == 502 and error_of(raw)["message"] == "the colocated-0 instance refused the router"
 
 
 def test_past_max_in_flight_the_proxy_answers_503_with_retry_after_never_502(harness):

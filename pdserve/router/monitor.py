@@ -1,0 +1,178 @@
+"""The router's eyes: every instance's GET /v1/load, polled, feeding its Instance record and the prefix index.
+
+One poll per instance every `interval` seconds, all instances at once, each with a deadline (`timeout`):
+- a good report updates the instance (load, learned rates) and the prefix index (KV events since the last
+  poll; a restarted instance, a gap or a first poll is answered with a snapshot) and re-admits an ejected
+  instance;
+- no answer, an error status or a malformed report is one failure; `eject_after` failures in a row eject
+  the instance (the policies stop choosing it; requests on it finish or fail on their own);
+- an instance that has no /v1/load (404: another OpenAI server) is probed on /health instead, and the
+  policies see no load for it.
+A request that could not connect to an instance also counts as a failure (`Monitor.connect_failed`), so a
+dead instance is ejected by the requests that meet it as much as by the poll.
+
+At hundreds of instances one poll round is hundreds of small GETs on one event loop: the cost per instance
+is one JSON parse per interval, and events cost per block stored or removed, not per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Sequence
+
+import aiohttp
+
+from pdserve.router.errors import NETWORK_ERRORS, describe, public_detail
+from pdserve.router.instances import Instance
+from pdserve.router.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL_S = 0.1
+DEFAULT_POLL_TIMEOUT_S = 2.0
+DEFAULT_EJECT_AFTER = 3
+MAX_REPORT_BYTES = 64 << 20   # a snapshot of a large GPU cache is a few MiB; beyond this something is wrong
+
+# The role an instance must report for each pool (its kv_role; None: no KV connector).
+POOL_KV_ROLES = {"prefill": ("producer", "both"), "decode": ("consumer", "both"),
+                 "colocated": (None, "consumer", "both", "producer")}
+
+
+class StartupError(RuntimeError):
+    """An instance the router was given cannot serve its pool: it never answered, or has the wrong role."""
+
+
+class Monitor:
+    def __init__(self, instances: Sequence[Instance], index: PrefixIndex, *, headers: dict[str, str],
+                 interval: float = DEFAULT_POLL_INTERVAL_S, timeout: float = DEFAULT_POLL_TIMEOUT_S,
+                 eject_after: int = DEFAULT_EJECT_AFTER) -> None:
+        self.instances, self.index = list(instances), index
+        self.headers, self.interval, self.timeout, self.eject_after = headers, interval, timeout, eject_after
+        self.session: aiohttp.ClientSession | None = None
+        self.boot_ids: dict[str, str] = {}
+        self.no_load_route: set[str] = set()   # instances answering /v1/load with 404
+        self.on_round = lambda: None            # called after every poll round: waiters for capacity look again
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self.poll(inst) for inst in self.instances))
+            self.index.purge(time.monotonic())
+            self.on_round()
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def poll(self, inst: Instance) -> None:
+        try:
+            report = await self.fetch(inst)
+        except NETWORK_ERRORS as e:   # /health and /cluster show the public words, the log the address
+            self.failed(inst, public_detail(e), describe(e))
+            return
+        except ValueError as e:
+            self.failed(inst, str(e))
+            return
+        now = time.monotonic()
+        if report is None:   # /health answered 200: alive, load unknown
+            self.succeeded(inst)
+            return
+        boot_id = report.get("boot_id")
+        if self.boot_ids.get(inst.name) not in (None, boot_id):
+            # A restart: its block ids, sequence numbers and cache are new. This report answered the old
+            # cursor, so drop what we knew and ask again from scratch next round.
+            logger.info("%s restarted (boot %s)", inst.name, boot_id)
+            self.index.forget(inst.name)
+            self.boot_ids[inst.name] = boot_id
+            inst.restarted()
+            return
+        self.boot_ids[inst.name] = boot_id
+        if not inst.update(report, now):
+            self.failed(inst, "malformed load report")
+            return
+        events = report.get("kv_events")
+        if isinstance(events, dict):
+            self.index.apply_report(inst.name, events, now)
+        if report.get("healthy") is False:
+            self.failed(inst, f"unhealthy: {report.get('health')}")
+            return
+        self.succeeded(inst)
+
+    async def fetch(self, inst: Instance) -> dict | None:
+        """The instance's load report (None: it has no /v1/load and its /health said 200); ValueError on an
+        answer that is not one."""
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        if inst.name in self.no_load_route:
+            async with self.session.get(inst.url + "/health", headers=self.headers, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"/health answered HTTP {resp.status}")
+                return None
+        last_seq = self.index.last_seq(inst.name)
+        params = {} if last_seq is None else {"events_after": str(last_seq)}
+        async with self.session.get(inst.url + "/v1/load", params=params, headers=self.headers,
+                                    timeout=timeout) as resp:
+            if resp.status == 404:
+                self.no_load_route.add(inst.name)
+                logger.info("%s has no /v1/load: probing its /health, no load-aware routing for it", inst.name)
+                return await self.fetch(inst)
+            if resp.status != 200:
+                raise ValueError(f"/v1/load answered HTTP {resp.status}")
+            data = await resp.content.read(MAX_REPORT_BYTES + 1)
+            if len(data) > MAX_REPORT_BYTES:
+                raise ValueError("load report too large")
+        try:
+            report = json.loads(data)
+        except ValueError:
+            raise ValueError("load report is not JSON") from None
+        if not isinstance(report, dict):
+            raise ValueError("load report is not a JSON object")
+        return report
+
+    def failed(self, inst: Instance, detail: str, log_detail: str | None = None) -> None:
+        was_available = inst.is_available
+        inst.record_failure(self.eject_after, detail)
+        if was_available and not inst.is_available:
+            logger.warning("%s ejected after %d failed checks: %s", inst.name, self.eject_after,
+                           log_detail or detail)
+
+    def succeeded(self, inst: Instance) -> None:
+        was_available = inst.is_available
+        inst.record_success()
+        if not was_available:
+            logger.info("%s re-admitted", inst.name)
+
+    def connect_failed(self, inst: Instance, error: BaseException) -> None:
+        """A request could not connect to the instance: as telling as a failed poll."""
+        self.failed(inst, public_detail(error), describe(error))
+
+    async def check_at_start(self, session: aiohttp.ClientSession, timeout: float) -> None:
+        """Before serving: every instance answers within `timeout` s and reports the role of its pool, else
+        StartupError naming it. Instances without /v1/load (another server) only need a 200 /health."""
+        self.session = session
+        deadline = time.monotonic() + timeout
+        pending, last_error = list(self.instances), {}
+        while pending:
+            for inst in list(pending):
+                try:
+                    report = await self.fetch(inst)
+                except (*NETWORK_ERRORS, ValueError) as e:
+                    last_error[inst.name] = describe(e) if not isinstance(e, ValueError) else str(e)
+                    continue
+                if report is not None:
+                    role = report.get("kv_role")
+                    if role not in POOL_KV_ROLES[inst.role]:
+                        raise StartupError(f"{inst.url} was given as --{inst.role} but is "
+                                           f"{'a ' + role if role else 'an instance without a KV connector'} "
+                                           f"(--kv-role {role or 'none'}); a {inst.role} instance needs "
+                                           f"--kv-role {' or '.join(r for r in POOL_KV_ROLES[inst.role] if r)}")
+                    self.boot_ids[inst.name] = report.get("boot_id")
+                    inst.update(report, time.monotonic())
+                    if isinstance(report.get("kv_events"), dict):
+                        self.index.apply_report(inst.name, report["kv_events"], time.monotonic())
+                pending.remove(inst)
+            if pending and time.monotonic() > deadline:
+                inst = pending[0]
+                raise StartupError(f"{inst.url} (--{inst.role}) did not answer within {timeout:g} s: "
+                                   f"{last_error.get(inst.name, 'no answer')}")
+            if pending:
+                await asyncio.sleep(0.5)
