@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_POLL_INTERVAL_S = 0.1
 DEFAULT_POLL_TIMEOUT_S = 2.0
 DEFAULT_EJECT_AFTER = 3
+MIN_STARTUP_ATTEMPT_S = 0.1   # the start-up check's last look at an instance, even past its deadline
 MAX_REPORT_BYTES = 64 << 20   # a snapshot of a large GPU cache is a few MiB; beyond this something is wrong
 
 # The role an instance must report for each pool (its kv_role; None: no KV connector).
@@ -153,8 +154,9 @@ class Monitor:
         pending, last_error = list(self.instances), {}
         while pending:
             for inst in list(pending):
-                try:
-                    report = await self.fetch(inst)
+                try:   # a silent instance may not hold the check past its deadline (a poll waits longer)
+                    left = max(deadline - time.monotonic(), MIN_STARTUP_ATTEMPT_S)
+                    report = await asyncio.wait_for(self.fetch(inst), min(left, self.timeout))
                 except (*NETWORK_ERRORS, ValueError) as e:
                     last_error[inst.name] = describe(e) if not isinstance(e, ValueError) else str(e)
                     continue
@@ -175,4 +177,4 @@ class Monitor:
                 raise StartupError(f"{inst.url} (--{inst.role}) did not answer within {timeout:g} s: "
                                    f"{last_error.get(inst.name, 'no answer')}")
             if pending:
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))

@@ -16,11 +16,12 @@ Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions`:
 3. Prefill hop (disaggregated): POST the P the body with `kv_transfer_params: {do_remote_decode: true}`,
    `stream: false`, no `stream_options`, and the client's own max_tokens: P checks prompt + max_tokens against
    its context, as D will, then generates one token (a prefill for a remote decode always does).
-   A 4xx from P (validation) goes to the client as is, except 401/403 (the router's own key was refused: a
-   502). A 503 (P at capacity), a connection error, a timeout or a 5xx routes the request once more without
-   that P (to another P, or straight to a D when no P is left); then the error goes to the client: a 503 with
-   its Retry-After, else a 502 naming the P by its pool and index ("prefill-0"); URLs and backend error
-   text stay in the log.
+   A 4xx from P (validation) goes to the client as is. A 503 (P at capacity), a 401/403 (P refused the
+   router's key), a connection error, a timeout or a 5xx routes the request again without that P: to another
+   P once, then (or when no P is left) straight to a D or colocated instance, which prefills it itself. The
+   client sees an error only when no instance can serve it: a 503 with Retry-After, or the decode hop's
+   error (step 7), naming instances by pool and index ("decode-0"); URLs and backend error text stay in
+   the log.
 4. Take `kv_transfer_params` from P's JSON answer; missing: 502 naming the P.
 5. Decode hop: POST the D the original body plus those `kv_transfer_params` (and, streaming,
    `router_token_ids`: each chunk also carries its tokens, for step 7). Before any byte of the answer: a 4xx
@@ -85,6 +86,7 @@ logger = logging.getLogger(__name__)
 
 ROUTER_FIELDS = ("kv_transfer_params", "resume", "router_token_ids")   # dropped from client bodies
 DEFAULT_MAX_RECOVERIES = 2
+MAX_PREFILL_ATTEMPTS = 2   # prefill hops one request may fail before it goes to a D (or colocated) alone
 DEFAULT_POLICY = "round-robin"
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 DEFAULT_MAX_QUEUED = 1024
@@ -136,7 +138,11 @@ class Proxy:
                                          limit_per_host=0)
         self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
         if self.startup_timeout is not None:
-            await self.monitor.check_at_start(self.session, self.startup_timeout)
+            try:
+                await self.monitor.check_at_start(self.session, self.startup_timeout)
+            except BaseException:   # the app never starts, so no cleanup would close the session
+                await self.session.close()
+                raise
         self.monitor.on_round = self.pulse_capacity
         monitor = asyncio.get_running_loop().create_task(self.monitor.run(self.session))
         yield
@@ -268,9 +274,11 @@ class Proxy:
             try:
                 params = await prefill_hop(self, prefill, ticket, request.path, body, headers)
             except BackendError as e:
-                failed.add(prefill.name)
-                if not e.is_retryable or len(failed) == 2:
+                if not e.is_retryable:
                     raise
+                failed.add(prefill.name)
+                if len(failed) >= MAX_PREFILL_ATTEMPTS:   # enough P tried: a D computes the prompt itself
+                    failed.update(inst.name for inst in self.router.instances if inst.role == "prefill")
                 logger.warning("request %s: %s; routing it again without %s", headers["X-Request-Id"], e,
                                prefill.name)
                 self.metrics.num_prefill_retries.inc()

@@ -10,6 +10,7 @@ import json
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -31,6 +32,7 @@ class Received:
     path: str
     headers: dict
     body: dict
+    at: float = field(default_factory=time.monotonic)   # when the fake received it
 
 
 @dataclass
@@ -49,6 +51,9 @@ class FakeBackend:
     load: dict = field(default_factory=dict)              # fields of GET /v1/load over the defaults
     boot_id: str = "boot-1"
     num_polls: int = 0
+    load_mode: str = "ok"        # GET /v1/load: ok, http500 (an error status), hang (no answer for 5 s)
+    kv_cached: list = field(default_factory=list)   # block hashes in the fake's prefix cache ...
+    kv_seq: int = 0                                  # ... as of this event sequence number
 
     @property
     def kv_transfer_params(self) -> dict:
@@ -70,8 +75,8 @@ class FakeBackend:
             headers = {"Retry-After": "7"} if status == 503 else None
             return web.json_response(protocol.error_body(f"{self.role} says {status}", status=status), status=status,
                                      headers=headers)
-        if self.mode == "slow_1s":
-            await asyncio.sleep(1)
+        if slow := re.fullmatch(r"slow_([0-9.]+)s", self.mode):   # slow_1s, slow_0.3s: before answering
+            await asyncio.sleep(float(slow.group(1)))
         if self.mode == "slow":  # a long prefill, until the client goes away
             try:
                 await asyncio.sleep(5)
@@ -134,6 +139,8 @@ class FakeBackend:
                 if with_router_ids and "no_ids" not in self.mode:
                     chunk["router_token_ids"] = [TOKEN_IDS[i]]
                 await send(protocol.sse_event(chunk))
+                if self.mode == "slow_stream":   # a stream that takes a while: 0.15 s after each token
+                    await asyncio.sleep(0.15)
                 if die_after is not None and i + 1 - first == die_after:
                     if failure and failure.group(1) != "die":   # the instance's own error event
                         code = 504 if failure.group(1) == "deadline" else 500
@@ -158,12 +165,20 @@ class FakeBackend:
         return web.json_response({"status": "ok"})
 
     async def load_report(self, request: web.Request) -> web.Response:
-        """GET /v1/load as a pdserve instance answers it: its role, an empty cache, and `load` on top."""
+        """GET /v1/load as a pdserve instance answers it: its role, its cache (kv_cached: a snapshot when the
+        router's events_after is not kv_seq, else no new events), and `load` on top."""
         self.num_polls += 1
+        if self.load_mode == "http500":
+            return web.json_response(protocol.error_body("load says 500", status=500), status=500)
+        if self.load_mode == "hang":
+            await asyncio.sleep(5)
         kv_role = {"prefill": "producer", "decode": "consumer", "colocated": None}[self.role]
+        in_sync = request.query.get("events_after") == str(self.kv_seq)
+        events = {"last_seq": self.kv_seq, "reset": not in_sync, "snapshot": None if in_sync else list(self.kv_cached),
+                  "batches": []}
         report = {"boot_id": self.boot_id, "kv_role": kv_role, "healthy": True, "health": "ok",
                   "block_size": 16, "hash_extra": "", "num_blocks": 1000, "num_free_blocks": 1000,
-                  "kv_events": {"last_seq": 0, "reset": True, "snapshot": [], "batches": []}}
+                  "kv_events": events}
         report.update(self.load)
         return web.json_response(report)
 

@@ -1,0 +1,137 @@
+"""The router's policies on CPU: the same xPyD cluster, the same workloads, one routing configuration at a time.
+
+For every configuration (policy, --pd-min-prompt-tokens) and workload:
+  1. start `pdserve up --num-prefill P --num-decode D --policy X --pd-min-prompt-tokens T` on 127.0.0.1
+     (a fresh cluster each time: every configuration starts with cold prefix caches)
+  2. run `pdserve bench serve` with the workload through the router
+  3. read the router's GET /cluster (decisions by reason, picks) and stop the cluster
+Then it prints a table and saves everything as JSON, with TTFT p50 of each configuration relative to
+round-robin on the same workload.
+
+Workloads (pdserve bench's datasets, chat endpoint):
+  multi-turn  --num-users users in --num-groups groups sharing a system prompt, each resending its growing
+              history (the prefix-shared workload of issue 14)
+  mixed       independent requests, mostly short prompts, some long ones
+
+  python benchmarks/cpu_router_policies.py --out benchmarks/results/cpu-router-policies-DATE.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+DEFAULT_CONFIGS = "round-robin:0,least-load:0,prefix-affinity:0,cost:0,cost:256"
+WORKLOADS = {
+    "multi-turn": ["--dataset", "multi-turn", "--num-users", "24", "--num-turns", "4", "--num-groups", "4",
+                   "--prefix-len", "384", "--turn-len", "48", "--output-len", "24"],
+    "mixed": ["--dataset", "mixed", "--num-prompts", "80", "--short-fraction", "0.8", "--short-len", "32", "128",
+              "--long-len", "768", "1024", "--output-len", "24"],
+}
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pdserve up exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"the cluster at {url} was not ready within {timeout:.0f} s")
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_one(args: argparse.Namespace, policy: str, threshold: int, workload: str, work: Path) -> dict:
+    url = f"http://127.0.0.1:{args.port}"
+    name = f"{workload}-{policy}-{threshold}"
+    log = open(work / f"{name}.up.log", "w")
+    cmd = [sys.executable, "-m", "pdserve", "up", "--num-prefill", str(args.num_prefill), "--num-decode",
+           str(args.num_decode), "--port", str(args.port), "--policy", policy,
+           "--pd-min-prompt-tokens", str(threshold)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(url, proc, 600)
+        out = work / f"{name}.json"
+        bench = [sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", url, "--endpoint", "chat",
+                 "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--no-progress",
+                 "--out", str(out), *WORKLOADS[workload]]
+        subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+        result = json.loads(out.read_text())
+        cluster = get_json(url + "/cluster")
+    finally:
+        stop(proc)
+        log.close()
+    metrics = result.get("metrics", result)
+    return {"workload": workload, "policy": policy, "pd_min_prompt_tokens": threshold,
+            "num_completed": metrics["num_completed"], "num_failed": metrics["num_failed"],
+            "ttft_ms": metrics["ttft_ms"], "tpot_ms": metrics["tpot_ms"], "e2e_ms": metrics["e2e_ms"],
+            "request_throughput": metrics["request_throughput"], "per_turn": metrics.get("per_turn"),
+            "decisions": cluster.get("decisions"), "picks": cluster.get("picks")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="POLICY:T,... (T: --pd-min-prompt-tokens)")
+    p.add_argument("--workloads", default="multi-turn,mixed")
+    p.add_argument("--num-prefill", type=int, default=2)
+    p.add_argument("--num-decode", type=int, default=2)
+    p.add_argument("--request-rate", type=float, default=2.0, help="new requests (conversations) per second")
+    p.add_argument("--port", type=int, default=8600)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    configs = [(c.split(":")[0], int(c.split(":")[1]) if ":" in c else 0) for c in args.configs.split(",")]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-policies-") as tmp:
+        for workload in args.workloads.split(","):
+            for policy, threshold in configs:
+                print(f"[policies] {workload}: {policy}, pd-min-prompt-tokens {threshold}", flush=True)
+                run = run_one(args, policy, threshold, workload, Path(tmp))
+                runs.append(run)
+                print(f"  TTFT p50 {run['ttft_ms']['p50']:.1f} ms, p90 {run['ttft_ms']['p90']:.1f} ms; TPOT p50 "
+                      f"{run['tpot_ms']['p50']:.1f} ms; {run['num_completed']} ok, {run['num_failed']} failed; "
+                      f"decisions {run['decisions']}", flush=True)
+    for run in runs:
+        base = next(r for r in runs if r["workload"] == run["workload"] and r["policy"] == "round-robin"
+                    and r["pd_min_prompt_tokens"] == 0)
+        run["ttft_p50_vs_round_robin"] = run["ttft_ms"]["p50"] / base["ttft_ms"]["p50"]
+    print(f"\n{'workload':<12}{'policy':<17}{'T':>5}{'TTFT p50':>10}{'p90':>9}{'TPOT p50':>10}{'req/s':>8}"
+          f"{'vs rr':>7}{'failed':>8}")
+    for r in runs:
+        print(f"{r['workload']:<12}{r['policy']:<17}{r['pd_min_prompt_tokens']:>5}{r['ttft_ms']['p50']:>10.1f}"
+              f"{r['ttft_ms']['p90']:>9.1f}{r['tpot_ms']['p50']:>10.1f}{r['request_throughput']:>8.2f}"
+              f"{r['ttft_p50_vs_round_robin']:>7.2f}{r['num_failed']:>8}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "args": vars(args), "runs": runs},
+                                         indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
