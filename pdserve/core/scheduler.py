@@ -144,6 +144,23 @@ class Scheduler:
         return sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
 
     @property
+    def num_prefill_tokens_waiting(self) -> int:
+        """Context tokens still to compute before the requests can decode (the router's prefill queue):
+        a prompt less its prefix hits once admitted, or a preempted or resumed request's tokens so far.
+        A decoding request's one next token is decode work, not prefill: a request one token behind
+        counts nothing. Tokens of a step in flight count as computed; KV a remote instance is sending
+        (WAITING_FOR_REMOTE_KVS) is not computed here."""
+        total = 0
+        for request in (*self.waiting, *self.running):
+            done = request.num_computed_tokens + request.num_inflight_tokens
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                done = max(done, request.num_cached_tokens)
+            behind = request.num_tokens - done
+            if behind > 1:
+                total += behind
+        return total
+
+    @property
     def num_blocks_held_for_transfer(self) -> int:
         return sum(self.kv.num_blocks_of(r) for r in self.held_for_transfer)
 

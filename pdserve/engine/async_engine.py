@@ -13,7 +13,8 @@ Engine process loop:
      fails its requests (and with async scheduling those of the step in flight) with FinishReason.ERROR
      and frees their blocks; the engine serves on (EngineCore.step, engine/engine_core.py).
   3. send the step's outputs, and a stats snapshot at least every 100 ms between steps (and when
-     going idle)
+     going idle) carrying the prefix cache's KV events since the last one, which the front numbers
+     for the router's GET /v1/load (KVEventLog)
   4. when steps keep failing (MAX_CONSECUTIVE_FAILED_STEPS in a row, none computing in between), send
      ("degraded", reason) and serve on; ("degraded", None) once a step computes again. Only a broken
      engine (its scheduler failed while failing a step, or the loop itself raised) sends ("broken",
@@ -26,16 +27,20 @@ silent for longer than stall_timeout_s (default 60 s: one CPU step of a long pre
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing as mp
 import queue
+import secrets
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from pdserve.config import EngineConfig
+from pdserve.core.block_pool import REMOVED, SNAPSHOT, STORED
 from pdserve.kv_transfer.base import KVTransferParams
 from pdserve.outputs import FinishReason, RequestOutput
 from pdserve.sampling_params import SamplingParams
@@ -48,6 +53,15 @@ TRANSFER_POLL_S = 0.001  # while only KV transfers are in flight
 # Silence from the engine process past this means it is stuck inside one step (it reports at least
 # every STATS_INTERVAL_S between steps). Generous: one CPU step of a long prefill can take seconds.
 DEFAULT_STALL_TIMEOUT_S = 60.0
+# KV event hashes the front keeps for the router (docs/router.md): a router that polls within this
+# many changes reads only what changed, one further behind reads the whole set once.
+KV_EVENT_RING_HASHES = 100_000
+# The engine's stats that GET /v1/load carries, in docs/router.md's order.
+LOAD_REPORT_STATS = ("block_size", "hash_extra", "num_blocks", "num_free_blocks", "kv_bytes_per_token",
+                     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_requests_running",
+                     "num_requests_waiting", "num_requests_waiting_for_remote_kvs", "num_prefill_tokens_waiting",
+                     "num_blocks_held_for_transfer", "num_prompt_tokens_computed_total", "num_output_tokens_total",
+                     "busy_seconds_total", "kv_transfer_bytes_total", "kv_transfer_seconds_total")
 
 
 def _error_output(request_id: str, message: str, num_prompt_tokens: int = 0) -> RequestOutput:
@@ -59,12 +73,14 @@ def run_engine_process(config: EngineConfig, in_conn, out_conn) -> None:
     try:
         from pdserve.engine.engine_core import EngineCore
         core = EngineCore(config)
+        core.enable_kv_events()
     except Exception as e:  # report why start-up failed instead of dying silently
         out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
+    # The first stats ride with "ready": a load report is whole from the start.
     out_conn.send(("ready", {"max_model_len": core.max_model_len, "engine_id": core.engine_id,
                              "vocab_size": core.runner.info.vocab_size,
-                             "num_blocks": core.runner.num_blocks}))
+                             "num_blocks": core.runner.num_blocks, "stats": core.stats()}))
     broken = None
     try:
         broken = _engine_loop(core, in_conn, out_conn)
@@ -114,9 +130,17 @@ def _engine_loop(core, in_conn, out_conn) -> str | None:
         now = time.monotonic()
         busy = core.has_work()
         if now - last_stats >= STATS_INTERVAL_S or (was_busy and not busy):
-            out_conn.send(("stats", core.stats()))
+            _send_stats(core, out_conn)
             last_stats = now
         was_busy = busy
+
+
+def _send_stats(core, out_conn) -> None:
+    """A stats snapshot with the KV events taken since the last one: taken and sent together, so that
+    no event falls between two messages."""
+    stats = core.stats()
+    stats["kv_events"] = core.take_kv_events()
+    out_conn.send(("stats", stats))
 
 
 def _handle_message(core, msg: tuple, out_conn) -> None:
@@ -148,8 +172,65 @@ def _handle_message(core, msg: tuple, out_conn) -> None:
         out_conn.send(("outputs", [_error_output(msg[1], message, num_prompt_tokens)]))
 
 
+class KVEventLog:
+    """The engine's KV events as numbered batches for the router's polls, and the hashes cached now.
+
+    Each batch of stored or removed hashes gets the next seq (1, 2, ...). The ring keeps the newest
+    batches, up to max_hashes hashes, so batches floor+1 .. last_seq are always in it: a reader that has
+    applied up to events_after in [floor, last_seq] gets the batches after it. Any other reader (no
+    events_after, one older than the ring or newer than last_seq: another boot's) gets a reset: every
+    hash cached as of last_seq, and no batches. A snapshot from the engine (its queue overflowed: events
+    were lost) replaces the set and starts an empty ring at a new seq, so every reader resets."""
+
+    def __init__(self, max_hashes: int = KV_EVENT_RING_HASHES) -> None:
+        self.max_hashes = max_hashes
+        self.last_seq = 0
+        self.floor = 0
+        self.cached: set[int] = set()
+        self._ring: deque[list] = deque()   # [seq, kind, hashes], seqs floor+1 .. last_seq
+        self._num_hashes = 0
+
+    def apply(self, events: Iterable[tuple[str, list[int]]]) -> None:
+        """The engine's events (BlockPool.take_events), oldest first."""
+        for kind, hashes in events:
+            if kind == SNAPSHOT:
+                self._replace(hashes)
+            elif kind in (STORED, REMOVED) and hashes:
+                self._append(kind, hashes)
+            elif kind not in (STORED, REMOVED):
+                logger.error("unknown KV event %r from the engine", kind)
+
+    def _append(self, kind: str, hashes: list[int]) -> None:
+        if kind == STORED:
+            self.cached.update(hashes)
+        else:
+            self.cached.difference_update(hashes)
+        self.last_seq += 1
+        self._ring.append([self.last_seq, kind, hashes])
+        self._num_hashes += len(hashes)
+        while self._num_hashes > self.max_hashes and len(self._ring) > 1:  # the newest batch always stays
+            seq, _, dropped = self._ring.popleft()
+            self._num_hashes -= len(dropped)
+            self.floor = seq
+
+    def _replace(self, hashes: list[int]) -> None:
+        self.cached = set(hashes)
+        self._ring.clear()
+        self._num_hashes = 0
+        self.last_seq += 1
+        self.floor = self.last_seq
+
+    def report(self, events_after: int | None) -> dict[str, Any]:
+        """docs/router.md's `kv_events`. Its batches are the ring's own lists: serialise, do not keep."""
+        if events_after is None or not self.floor <= events_after <= self.last_seq:
+            return {"last_seq": self.last_seq, "reset": True, "snapshot": sorted(self.cached), "batches": []}
+        batches = list(itertools.islice(self._ring, events_after - self.floor, None))
+        return {"last_seq": self.last_seq, "reset": False, "snapshot": None, "batches": batches}
+
+
 class AsyncEngine:
-    """The handle the HTTP server holds: generate(), abort(), stats(), health(), is_healthy()."""
+    """The handle the HTTP server holds: generate(), abort(), stats(), health(), is_healthy(),
+    load_report()."""
 
     def __init__(self, config: EngineConfig, served_model_name: str | None = None,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
@@ -165,6 +246,9 @@ class AsyncEngine:
         self.engine_id: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats: dict[str, Any] = {}
+        # A router that sees another boot_id forgets what it knew of this instance's cache.
+        self.boot_id = secrets.token_hex(8)
+        self._kv_events = KVEventLog()
         self._outbox: queue.Queue = queue.Queue()
         self._dead: str | None = None
         self._broken: str | None = None        # the engine process reported itself broken: why
@@ -195,6 +279,7 @@ class AsyncEngine:
         self.max_model_len = payload["max_model_len"]
         self.vocab_size = payload["vocab_size"]
         self.engine_id = payload["engine_id"]
+        self._stats = payload.get("stats") or {}
         threading.Thread(target=self._receive_loop, daemon=True, name="pdserve-engine-out").start()
         threading.Thread(target=self._send_loop, daemon=True, name="pdserve-engine-in").start()
 
@@ -236,6 +321,7 @@ class AsyncEngine:
                 if q is not None:
                     q.put_nowait(out)
         elif kind == "stats":
+            self._kv_events.apply(payload.pop("kv_events", ()))
             self._stats = payload
         elif kind == "broken":
             self._broken = f"engine broken: {payload}"
@@ -294,6 +380,22 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)
+
+    @property
+    def kv_role(self) -> str | None:
+        """producer, consumer or both; None without a KV connector (colocated)."""
+        kv_transfer = self.config.kv_transfer
+        return kv_transfer.kv_role if kv_transfer.kv_connector else None
+
+    def load_report(self, events_after: int | None = None) -> dict[str, Any]:
+        """GET /v1/load's body (docs/router.md): what the engine last reported, and the KV event batches
+        after seq events_after (None: a reset with the whole set). Only reads what is already here."""
+        healthy, health = self.health()
+        report: dict[str, Any] = {"boot_id": self.boot_id, "kv_role": self.kv_role, "healthy": healthy,
+                                  "health": health}
+        report.update((name, self._stats.get(name)) for name in LOAD_REPORT_STATS)
+        report["kv_events"] = self._kv_events.report(events_after)
+        return report
 
     def health(self) -> tuple[bool, str]:
         """(True, "ok"), or (False, why): the engine process is not started, reported itself broken

@@ -113,6 +113,13 @@ class EngineCore:
         self.num_consecutive_failed_steps = 0  # reset by every landed step that computed something
         self.degraded: str | None = None  # why steps keep failing (a fault that outlived its requests)
         self.broken: str | None = None    # why the engine cannot go on (its scheduler state is broken)
+        # For the router (docs/router.md): the bytes a handoff moves per token, and counters whose
+        # deltas give it this instance's rates.
+        kv_cache = self.runner.kv_cache
+        self.kv_bytes_per_token = kv_cache[0].numel() * kv_cache.element_size() // config.cache.block_size
+        self.num_prompt_tokens_computed = 0
+        self.num_output_tokens = 0
+        self.busy_seconds = 0.0
 
     @staticmethod
     def resolve_async_scheduling(asked: bool | None, device_type: str) -> bool:
@@ -175,6 +182,12 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One step's outputs. Never raises for a failure inside the step: see _fail_step."""
         start = time.perf_counter()
+        try:
+            return self._step(start)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    def _step(self, start: float) -> list[RequestOutput]:
         out = landing = outputs = None
         try:
             out = self.scheduler.schedule()
@@ -198,7 +211,9 @@ class EngineCore:
 
     def _land(self, out, runner_output, start: float) -> list[RequestOutput]:
         """Apply a step whose sampled tokens are on the host."""
+        self._count_prompt_tokens(out)  # before the update: it lets go of the requests that finish
         updates = self.scheduler.update_from_output(out, runner_output)
+        self.num_output_tokens += sum(len(u.new_token_ids) for u in updates)
         if self.slow_step_s is not None and time.perf_counter() - start > self.slow_step_s:
             self._log_slow_step(out, time.perf_counter() - start)
         self.last_step_was_empty = out.is_empty
@@ -206,6 +221,16 @@ class EngineCore:
             self.num_consecutive_failed_steps = 0
             self.degraded = None
         return [self._make_output(u) for u in updates]
+
+    def _count_prompt_tokens(self, out) -> None:
+        """Prompt positions this step computed: the router's prefill rate is their delta over busy
+        seconds. A request gone before its step landed (aborted) is left out."""
+        requests = self.scheduler.requests
+        for item in out.scheduled:
+            request = requests.get(item.request_id)
+            if request is not None and item.num_computed_tokens < request.num_prompt_tokens:
+                end = min(item.num_computed_tokens + len(item.token_ids), request.num_prompt_tokens)
+                self.num_prompt_tokens_computed += end - item.num_computed_tokens
 
     def _fail_step(self, error: Exception, out, landing) -> list[RequestOutput]:
         """The step raised: finish the requests of every step not landed (this one, the one it was
@@ -285,21 +310,48 @@ class EngineCore:
 
     def stats(self) -> dict:
         s, kv = self.scheduler, self.scheduler.kv
+        sc = self.config.scheduler
         stats = {
             "num_requests_running": s.num_running,
             "num_requests_waiting": s.num_waiting,
             "num_requests_waiting_for_remote_kvs": s.num_waiting_for_remote_kvs,
             "num_blocks_held_for_transfer": s.num_blocks_held_for_transfer,
+            "num_prefill_tokens_waiting": s.num_prefill_tokens_waiting,
             "kv_cache_usage_perc": kv.usage,
+            "num_blocks": kv.pool.num_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "block_size": kv.block_size,
+            "hash_extra": kv.hash_extra,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "max_num_seqs": sc.max_num_seqs,
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
             "prefix_cache_queries_total": kv.prefix_cache_queries,
             "prefix_cache_hits_total": kv.prefix_cache_hits,
             "num_preemptions_total": s.num_preemptions,
+            "num_prompt_tokens_computed_total": self.num_prompt_tokens_computed,
+            "num_output_tokens_total": self.num_output_tokens,
+            "busy_seconds_total": self.busy_seconds,
+            "kv_transfer_bytes_total": 0,
+            "kv_transfer_seconds_total": 0.0,
         }
         if self.connector_worker is not None:
             worker_stats = self.connector_worker.get_stats()
             worker_stats.pop("num_blocks_held_for_transfer", None)  # the scheduler's count is exact
             stats.update(worker_stats)
+            # The histogram's sum is the seconds total; connectors without the histogram report none.
+            stats["kv_transfer_seconds_total"] = float(
+                (worker_stats.get("kv_transfer_seconds") or {}).get("sum", 0.0))
         return stats
+
+    # -- KV events (docs/router.md) ------------------------------------------------------------
+    def enable_kv_events(self) -> None:
+        """The served engine reports its prefix cache's changes to the router; offline use does not."""
+        self.scheduler.kv.pool.enable_events()
+
+    def take_kv_events(self) -> list[tuple[str, list[int]]]:
+        """The prefix cache's changes since the last call (BlockPool.take_events); [] while off."""
+        return self.scheduler.kv.pool.take_events()
 
     def shutdown(self) -> None:
         if self.connector_worker is not None:

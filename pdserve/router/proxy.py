@@ -137,7 +137,7 @@ class Proxy:
         connector = aiohttp.TCPConnector(limit=2 * self.max_in_flight + len(self.router.instances),
                                          limit_per_host=0)
         self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
-        if self.startup_timeout is not None:
+        if self.startup_timeout:
             try:
                 await self.monitor.check_at_start(self.session, self.startup_timeout)
             except BaseException:   # the app never starts, so no cleanup would close the session
@@ -520,7 +520,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         f"it comes back on its first good poll (default {DEFAULT_EJECT_AFTER})")
     g.add_argument("--startup-timeout", type=float, default=60.0,
                    help="seconds every instance has to answer with the role of its pool before the router gives "
-                        "up at start")
+                        "up at start; 0: serve at once (an instance that does not answer is ejected by the polls)")
 
 
 def main_proxy(args: argparse.Namespace) -> int:

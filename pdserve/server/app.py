@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over an AsyncEngine: routes, SSE, /health, /metrics, /tokenize.
+"""OpenAI-compatible HTTP server over an AsyncEngine: routes, SSE, /health, /metrics, /tokenize, /v1/load.
 
 One generation request (POST /v1/completions or /v1/chat/completions), step by step:
   1. middleware: the router key (X-PDServe-Router-Key) or the Bearer API key when one is set (every
@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
 OPEN_PATHS = frozenset({"/health", "/metrics"})   # probes and scrapers need no key
 SMALL_INPUT_CHARS = 16 << 10          # prompts up to this many characters take the small lane
+MAX_SEQ_DIGITS = 20                   # GET /v1/load's events_after: no seq grows past this
 IS_ROUTER_KEY = web.RequestKey("pdserve_is_router", bool)
 
 
@@ -251,6 +252,15 @@ class OpenAIServer:
         except ValueError as e:
             return json_error(400, str(e), "kv_transfer_params")
         return web.json_response({"status": "accepted"}, status=202)
+
+    async def load(self, request: web.Request) -> web.Response:
+        """GET /v1/load?events_after=SEQ: the router's view of this instance (docs/router.md). Outside
+        admission: the router polls it hardest when the instance is full. The router's alone when there
+        is a router key, as kv_transfer_params are: the block hashes tell which prompts are cached here."""
+        if not self._may_transfer_kv(request):
+            raise ProtocolError(403, "only the router may read the load report")
+        events_after = _events_after(request.query.getall("events_after", []))
+        return web.json_response(self.engine.load_report(events_after))
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(self.engine.stats), headers={"Content-Type": CONTENT_TYPE})
@@ -544,6 +554,19 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
+def _events_after(values: list[str]) -> int | None:
+    """The query's events_after: absent, or once as plain decimal digits (no sign, no spaces)."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise ProtocolError(400, "events_after: given more than once", "events_after")
+    value = values[0]
+    if not (value.isascii() and value.isdigit() and len(value) <= MAX_SEQ_DIGITS):
+        raise ProtocolError(400, f"events_after: expected a non-negative integer, got {value[:40]!r}",
+                            "events_after")
+    return int(value)
+
+
 def _engine_health(engine: Any) -> tuple[bool, str]:
     health = getattr(engine, "health", None)
     if health is not None:
@@ -582,7 +605,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> web.Applicatio
                           ("/v1/kv/release", server.release_kv)):
         app.router.add_post(path, handler, expect_handler=expect_handler)
     for path, handler in (("/v1/models", server.models), ("/health", server.health),
-                          ("/metrics", server.metrics_text)):
+                          ("/metrics", server.metrics_text), ("/v1/load", server.load)):
         app.router.add_get(path, handler, expect_handler=expect_handler)
 
     async def shutdown_lanes(app: web.Application) -> None:

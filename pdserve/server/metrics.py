@@ -49,6 +49,14 @@ ENGINE_STAT_HELP = {
     "kv_transfer_failures_total": "KV transfers that failed.",
     "kv_lease_expirations_total": "Held blocks freed because their lease expired.",
     "kv_transfer_seconds": "Duration of one request's KV transfer.",
+    "kv_transfer_seconds_total": "Seconds spent in KV transfers (the sum of kv_transfer_seconds).",
+    "num_prefill_tokens_waiting": "Context tokens still to compute before the requests can decode.",
+    "num_blocks": "KV-cache blocks.",
+    "num_free_blocks": "KV-cache blocks no request holds (they may still hold cached prefixes).",
+    "kv_bytes_per_token": "KV-cache bytes one token occupies, all layers, K and V.",
+    "num_prompt_tokens_computed_total": "Prompt tokens computed (prefix-cache hits and remote KV excluded).",
+    "num_output_tokens_total": "Tokens sampled.",
+    "busy_seconds_total": "Seconds the engine spent in steps.",
 }
 
 

@@ -161,7 +161,10 @@ def test_release_frees_p_blocks_before_the_lease_runs_out(cluster):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    proxy = Process(["proxy", "--prefill", prefill.url, "--decode", dead], "proxy-dead-decode",
+    # --startup-timeout 0 and a high --eject-after: the router starts without D and keeps choosing it,
+    # so that a request really meets the dead D after its prefill (a router ejects a dead D at once).
+    proxy = Process(["proxy", "--prefill", prefill.url, "--decode", dead, "--startup-timeout", "0",
+                     "--eject-after", "1000000"], "proxy-dead-decode",
                     env={"PDSERVE_ROUTER_KEY": ROUTER_KEY})
     try:
         assert wait_until(lambda: _listening(proxy.port), timeout=60)  # /health is 503: its D is down

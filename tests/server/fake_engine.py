@@ -61,6 +61,7 @@ class FakeEngine:
     finished: set[str] = field(default_factory=set)
     aborted: set[str] = field(default_factory=set)       # closed early by the caller
     abort_calls: list[str] = field(default_factory=list)  # engine.abort(request_id) calls
+    load_report_calls: list[int | None] = field(default_factory=list)  # events_after of each call
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  kv_transfer_params: dict | None = None,
@@ -119,3 +120,13 @@ class FakeEngine:
 
     def is_healthy(self) -> bool:
         return self.healthy
+
+    def load_report(self, events_after: int | None = None) -> dict[str, Any]:
+        """AsyncEngine.load_report's shape, with one stored batch (seq 1) of hashes 11 and 12."""
+        self.load_report_calls.append(events_after)
+        reset = events_after is None or not 0 <= events_after <= 1
+        return {"boot_id": "fake-boot", "kv_role": None, "healthy": self.healthy,
+                "health": "ok" if self.healthy else "fake engine is unhealthy",
+                "num_requests_running": len(self.running), "num_requests_waiting": 0, **self.extra_stats,
+                "kv_events": {"last_seq": 1, "reset": reset, "snapshot": [11, 12] if reset else None,
+                              "batches": [] if reset or events_after == 1 else [[1, "stored", [11, 12]]]}}

@@ -86,7 +86,7 @@ def test_a_client_template_is_refused(body):
 def test_a_prompt_far_longer_than_the_context_is_refused_before_tokenizing(monkeypatch):
     engine = engine_with()   # max_model_len 64: at most 32 * 64 characters
     calls = []
-    monkeypatch.setattr(app_module, "_tokenize", lambda *a: calls.append(a) or [1])
+    monkeypatch.setattr(app_module, "tokenize", lambda *a: calls.append(a) or [1])
 
     async def main():
         async with serving(engine) as url:

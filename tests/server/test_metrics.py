@@ -14,6 +14,7 @@ PROXY_NAMES = {
     "pdserve:proxy_requests_total": "counter", "pdserve:proxy_request_errors_total": "counter",
     "pdserve:proxy_client_disconnects_total": "counter", "pdserve:proxy_prefill_retries_total": "counter",
     "pdserve:proxy_requests_in_flight": "gauge", "pdserve:proxy_time_to_first_token_seconds": "histogram",
+    "pdserve:proxy_requests_queued": "gauge",
     "pdserve:proxy_prefill_seconds": "histogram", "pdserve:proxy_kv_releases_total": "counter",
     "pdserve:proxy_requests_rejected_total": "counter",
     "pdserve:proxy_backend_requests_total": "counter", "pdserve:proxy_backend_errors_total": "counter",
