@@ -70,6 +70,11 @@ def stop(proc: subprocess.Popen) -> None:
 def run_one(args: argparse.Namespace, policy: str, threshold: int, workload: str, work: Path) -> dict:
     url = f"http://127.0.0.1:{args.port}"
     name = f"{workload}-{policy}-{threshold}"
+    try:   # a cluster left on the port would answer for this one
+        urllib.request.urlopen(url + "/health", timeout=2)
+        raise RuntimeError(f"something already answers on {url}: stop it first")
+    except OSError:
+        pass
     log = open(work / f"{name}.up.log", "w")
     cmd = [sys.executable, "-m", "pdserve", "up", "--num-prefill", str(args.num_prefill), "--num-decode",
            str(args.num_decode), "--port", str(args.port), "--policy", policy,

@@ -243,7 +243,7 @@ class Proxy:
             for field in ROUTER_FIELDS:   # the router's to set, never the client's
                 body.pop(field, None)
             start, headers = time.monotonic(), self.backend_headers(request_id)
-            req = await self.route_request(parsed, request.content_length or 0)
+            req = await self.route_request(parsed, prompt_chars(parsed))
             return await self.serve(request, req, body, headers, start)
         except ClientError as e:
             self.metrics.num_errors.inc()
@@ -354,6 +354,15 @@ class Proxy:
 
     async def render_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def prompt_chars(parsed: Any) -> int:
+    """Characters the tokenizer would read: what picks the inline or the worker path (the body's length
+    is unknown for a chunked upload, and counts JSON escapes and other fields)."""
+    if isinstance(parsed, ChatCompletionRequest):
+        return sum(len(str(message.get("content") or "")) for message in parsed.messages)
+    prompt = getattr(parsed, "prompt", None)
+    return len(prompt) if isinstance(prompt, str) else 0
 
 
 class RouterTokenizers:
