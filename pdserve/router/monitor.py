@@ -60,7 +60,12 @@ class Monitor:
         self.session = session
         while True:
             started = time.monotonic()
-            await asyncio.gather(*(self.poll(inst) for inst in self.instances))
+            # One instance's unexpected error must not end the polls of all (nothing would be re-admitted).
+            for inst, error in zip(self.instances, await asyncio.gather(
+                    *(self.poll(inst) for inst in self.instances), return_exceptions=True)):
+                if isinstance(error, Exception):
+                    logger.error("polling %s failed", inst.name, exc_info=error)
+                    self.failed(inst, f"poll error: {type(error).__name__}")
             self.index.purge(time.monotonic())
             self.on_round()
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
@@ -118,9 +123,12 @@ class Monitor:
                 return await self.fetch(inst)
             if resp.status != 200:
                 raise ValueError(f"/v1/load answered HTTP {resp.status}")
-            data = await resp.content.read(MAX_REPORT_BYTES + 1)
-            if len(data) > MAX_REPORT_BYTES:
-                raise ValueError("load report too large")
+            # read(n) returns what has arrived, up to n: a snapshot of a large cache comes in many chunks.
+            data = bytearray()
+            while chunk := await resp.content.read(1 << 16):
+                data += chunk
+                if len(data) > MAX_REPORT_BYTES:
+                    raise ValueError("load report too large")
         try:
             report = json.loads(data)
         except ValueError:

@@ -21,6 +21,9 @@ from pdserve.http_guard import runner_args
 from pdserve.router.proxy import build_proxy_app
 
 MODEL = "fake-model"
+# For tests of a request meeting a dead backend: the monitor would otherwise eject it after three polls
+# (0.3 s), and whether the request still meets it would depend on the machine's speed.
+NEVER_EJECT = 1_000_000
 PIECES = ["Hello", " from", " D"]          # what a decode instance generates
 TOKEN_IDS = [11, 12, 13]                   # ... as tokens
 D_USAGE = protocol.usage(7, len(PIECES))   # D saw the whole prompt

@@ -15,7 +15,7 @@ import pytest
 from pdserve import protocol
 from pdserve.router.proxy import PROXY_KEY, add_proxy_arguments, build_proxy_app
 
-from .conftest import D_USAGE, MODEL, PIECES, dead_url, post_raw
+from .conftest import NEVER_EJECT, D_USAGE, MODEL, PIECES, dead_url, post_raw
 
 PROMPT_BODY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16}
 CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
@@ -91,7 +91,7 @@ def test_sse_passthrough_is_byte_for_byte(harness):
 def test_failed_prefill_is_retried_on_another_prefill(harness, failure):
     bad = dead_url() if failure == "refused" else harness.backend("prefill", "http500")
     good, d = harness.backend("prefill"), harness.backend("decode")
-    url = harness.proxy([bad, good], [d])
+    url = harness.proxy([bad, good], [d], eject_after=NEVER_EJECT)
 
     assert ask(url, is_chat=False, is_stream=False)[0] == "".join(PIECES)
     assert len(good.received) == 1
@@ -172,7 +172,7 @@ def test_decode_hop_that_never_happened_releases_p_blocks(harness, mode):
     """P holds the prompt's blocks for D until its lease runs out (30 s) unless told no D is coming."""
     p = harness.backend("prefill")
     decode = dead_url() if mode == "dead" else harness.backend("decode", mode).url
-    url = harness.proxy([p], [decode], timeout=0.3)
+    url = harness.proxy([p], [decode], timeout=0.3, eject_after=NEVER_EJECT)
     code, _, _ = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True), headers={"Authorization": "Bearer k"})
     assert code in (400, 502)
     assert wait_for(lambda: p.releases), "P was not told to release"
@@ -245,7 +245,9 @@ def test_colocated_mode_round_robins_the_body_as_is(harness):
 
 def test_metrics_count_requests_and_errors(harness):
     p, d = harness.backend("prefill"), harness.backend("decode")
-    url = harness.proxy([p, dead_url()], [d])
+    # Never ejected: each request meets the dead P in turn (the monitor would otherwise route around it
+    # after its third failed poll, and the retries counted would depend on the machine's speed).
+    url = harness.proxy([p, dead_url()], [d], eject_after=NEVER_EJECT)
     ask(url, is_chat=False, is_stream=True)
     post_raw(url, "/v1/chat/completions", CHAT_BODY)
     d.mode = "http500"
@@ -396,7 +398,7 @@ def test_tokenize_and_detokenize_go_to_a_decode_instance(harness):
 
 def test_per_backend_counters_are_labelled_by_name(harness):
     bad, good, d = dead_url(), harness.backend("prefill"), harness.backend("decode")
-    url = harness.proxy([bad, good], [d])
+    url = harness.proxy([bad, good], [d], eject_after=NEVER_EJECT)
     for _ in range(2):
         assert post_raw(url, "/v1/completions", PROMPT_BODY)[0] == 200
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import protocol
 
-from .conftest import MODEL, PIECES, TOKEN_IDS, dead_url, post_raw
+from .conftest import NEVER_EJECT, MODEL, PIECES, TOKEN_IDS, dead_url, post_raw
 
 PROMPT_BODY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16, "stream": True}
 CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "stream": True}
@@ -132,7 +132,7 @@ def test_a_decode_failing_before_the_first_byte_is_retried_on_another(harness, f
     itself; P's blocks, which no D took, are released."""
     p, healthy = harness.backend("prefill"), harness.backend("decode")
     failing = dead_url() if failure == "dead" else harness.backend("decode", failure)
-    url = harness.proxy([p], [failing, healthy])
+    url = harness.proxy([p], [failing, healthy], eject_after=NEVER_EJECT)
     status, _, raw = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=is_stream))
     assert status == 200
     if is_stream:

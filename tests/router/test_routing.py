@@ -420,3 +420,33 @@ def test_a_failed_only_prefill_sends_the_request_straight_to_decode(harness, mod
     assert len(p.received) == 1 and len(d.received) == 1 and "kv_transfer_params" not in d.received[0].body
     assert metric(metrics(url), "pdserve:proxy_prefill_retries_total") == 1
     assert decisions(url) == only_decisions(disaggregated=1, prefill_saturated=1)
+
+
+def test_a_snapshot_larger_than_one_read_arrives_whole(harness):
+    """A large cache's snapshot comes in many chunks; the monitor read only the first once, so the report
+    was not JSON, the poll failed, and the instance was ejected."""
+    c = harness.backend("colocated")
+    c.kv_cached = list(range(1, 200_001))     # ~1.4 MB of JSON
+    c.kv_seq = 7
+    url = harness.proxy(colocated=[c], poll_interval=0.05)
+    assert wait_for(lambda: instance(cluster(url), "colocated-0")["cached_blocks"] == 200_000, timeout=10)
+    assert instance(cluster(url), "colocated-0")["state"] == "healthy"
+
+
+def test_an_unexpected_error_in_one_poll_does_not_stop_the_monitor(harness):
+    c1, c2 = harness.backend("colocated"), harness.backend("colocated")
+    url = harness.proxy(colocated=[c1, c2], poll_interval=0.05)
+    proxy = harness.proxy_app[PROXY_KEY]
+    first = proxy.router.instances[0]
+    real_update, calls = first.update, []
+
+    def broken_once(report, now):
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in reading the report")
+        return real_update(report, now)
+
+    first.update = broken_once
+    polls = c2.num_polls
+    assert wait_for(lambda: len(calls) >= 3 and c2.num_polls >= polls + 3)   # both go on being polled
+    assert instance(cluster(url), "colocated-0")["state"] == "healthy"
