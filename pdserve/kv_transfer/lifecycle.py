@@ -22,8 +22,13 @@ On D (consumer), per request (a Load):
   0. QUEUED: a KeepAliveSpec (the request waits in D's scheduler): heartbeats extend P's lease; a
      release (finished, aborted or covered by D's prefix cache first) tells P and forgets it
   1. a RecvSpec: HANDSHAKING while the connection to P's (engine id, boot nonce) is made, once per
-     P boot, deadline = now + one side-channel exchange; a reply naming another boot fails it at once
-  2. CLAIMING: one claim per P per step for every load ready to claim, deadline as above
+     P boot, deadline = now + claim_timeout (lease_seconds); a reply naming another boot fails it at once
+  2. CLAIMING: one claim per P per step for every load ready to claim, deadline = now + claim_timeout.
+     Each exchange fails on its own after one side-channel timeout (a P that accepts and never
+     answers); the longer state deadline covers what is not the peer's silence: "unknown" while P's
+     grant is on its way (P's next step, long when P is busy), claims queued behind others to the same
+     P, and D's own steps (a reply is applied at D's next step; a 5 s deadline there failed healthy
+     loads whenever D's steps were slow, as under a CPU soak)
   3. READING: after "held", the READ is posted (one descriptor per coalesced run). P's lease is good
      until the claim's (or the last acknowledged heartbeat's) send time + lease_seconds; the READ
      lasts while it is, at most read_timeout_seconds (default max(60 s, 2 leases)), and a READ that
@@ -259,6 +264,9 @@ class Loader:
     def __init__(self, transport: Any, config: KVTransferConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.t, self.config, self.clock = transport, config, clock  # t: pull_worker_common's hooks
         self.timeout = min(MAX_SIDE_CHANNEL_S, config.lease_seconds / 2)  # one side-channel exchange
+        # Handshaking and claiming, all exchanges and retries included: P's grant lives a lease unclaimed,
+        # so waiting longer than that for it is pointless, and shorter fails loads of a busy, healthy P.
+        self.claim_timeout = float(config.extra.get("claim_timeout_seconds", config.lease_seconds))
         # A READ lasts while P confirms the lease (a READ may need P's steps, which may be long), at most:
         self.read_timeout = float(config.extra.get("read_timeout_seconds", max(60.0, 2 * config.lease_seconds)))
         self.loads: dict[str, Load] = {}
@@ -340,7 +348,8 @@ class Loader:
                 self._report_quarantined(load)
         elif load.state in (LoadState.HANDSHAKING, LoadState.CLAIMING) and now > load.deadline:
             what = "handshake with" if load.state == LoadState.HANDSHAKING else "claim on its KV at"
-            self._fail(load, f"the {what} the prefill instance did not complete within {self.timeout:g}s", None)
+            self._fail(load, f"the {what} the prefill instance did not complete within {self.claim_timeout:g}s",
+                       None)
 
     def _abort(self, load: Load, now: float) -> None:
         """A READ past its deadline: fail it, but give its blocks back only once nothing writes them."""
@@ -423,7 +432,7 @@ class Loader:
             peer.last_used = now
             return peer
         peer = self.peers[key] = Peer(spec.remote_engine_id, spec.remote_boot_id,
-                                      (spec.remote_host, spec.remote_port), now + self.timeout, last_used=now)
+                                      (spec.remote_host, spec.remote_port), now + self.claim_timeout, last_used=now)
         self.clients.get(peer.address).send(
             {"type": "handshake", "engine_id": self.t.engine_id, "compat_hash": self.t.compat_hash},
             on_reply=lambda reply, blob, sent_at: self._on_handshake(peer, reply, blob),
@@ -480,7 +489,7 @@ class Loader:
 
     # ---- claims, heartbeats, releases ----
     def _to_claim(self, load: Load, now: float) -> None:
-        load.state, load.deadline, load.claim_at = LoadState.CLAIMING, now + self.timeout, now
+        load.state, load.deadline, load.claim_at = LoadState.CLAIMING, now + self.claim_timeout, now
 
     def _send_claims(self, now: float) -> None:
         by_peer: dict[tuple[str, str | None], list[Load]] = {}

@@ -64,6 +64,11 @@ class BackendError(Exception):
         # Certain only where no connection was made or the backend answered with an error status.
         self.never_took_request = never_took_request
 
+    @property
+    def is_at_capacity(self) -> bool:
+        """The backend refused the request because it is full: healthy, and worth asking again later."""
+        return self.status == 503 and self.retry_after is not None
+
     def public_message(self, names: dict[str, str]) -> str:
         return f"the {names.get(self.url, self.role)} instance {self.public_detail}"
 

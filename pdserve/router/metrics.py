@@ -74,9 +74,10 @@ class ProxyMetrics:
         self.num_recoveries = Counter(p + "recoveries_total", "Requests resumed on another decode (or colocated) "
                                       "instance after the one serving them failed (each resubmission).", registry=r)
         self.num_recovery_failures = Counter(p + "recovery_failures_total", "Decode hops that failed and could "
-                                             "not be resumed: no other instance (no_backend), max_recoveries "
-                                             "reached (limit), an instance that does not report token ids "
-                                             "(untracked), or after the finish (after_finish).",
+                                             "not be resumed: no other instance (no_backend), none with room "
+                                             "within --queue-timeout after a 503 at capacity (no_room), "
+                                             "max_recoveries reached (limit), an instance that does not report "
+                                             "token ids (untracked), or after the finish (after_finish).",
                                              ["reason"], registry=r)
         self.num_backend_requests = Counter(p + "backend_requests_total", "Hops sent to a backend, retries included.",
                                             ["role", "backend"], registry=r)

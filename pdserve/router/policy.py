@@ -336,14 +336,18 @@ class Router:
         self.decisions["disaggregated"] += 1
         return Route(prefill, decode, "disaggregated")
 
-    def replacement(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0) -> Instance | None:
+    def replacement(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0,
+                    within_caps: bool = False) -> Instance | None:
         """A decode or colocated instance to resume a failed stream on: it computes the prompt (and the tokens
-        already sent) itself. Under the caps when one is; else any available one, since losing a stream
-        the client is reading costs more than one request over a cap (the instance's admission still
-        decides)."""
+        already sent) itself. Under the caps when one is; else, unless within_caps, any available one, since
+        losing a stream the client is reading costs more than one request over a cap (the instance's
+        admission still decides)."""
         available = [inst for inst in self.instances if inst.role in ("decode", "colocated")
                      and inst.is_available and inst.name not in exclude]
-        candidates = [inst for inst in available if self._admits(inst, req, exclude)] or available
+        candidates = [inst for inst in available if self._admits(inst, req, exclude)]
+        if not candidates and within_caps:
+            return None
+        candidates = candidates or available
         if not candidates:
             self.num_no_replacement += 1
             return None

@@ -2,10 +2,13 @@
 
 The hop's answer goes to the client as D's JSON or, streaming, as D's events relayed whole (relay.py).
 When the instance serving the request fails, the request is resumed on another instance of the pool
-with the tokens the client has already received, and the client reads one ordinary stream.
+with the tokens the client has already received, and the client reads one ordinary stream. An instance
+that answers 503 at capacity has not failed: the request waits for room (as a new one waits in
+proxy.wait_for_route, at most --queue-timeout) and goes to whichever instance has it then.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -45,6 +48,7 @@ async def final_hop(proxy: Proxy, request: web.Request, req: RouteRequest, inst:
         hop_body["kv_transfer_params"] = kv_transfer_params
     out: web.StreamResponse | None = None   # the client's stream, once begun
     failed: list[str] = []
+    room_deadline: float | None = None   # waiting for room after a 503 at capacity, until then
     computes_prompt = kv_transfer_params is None
     while True:
         role = inst.role
@@ -53,9 +57,11 @@ async def final_hop(proxy: Proxy, request: web.Request, req: RouteRequest, inst:
             try:
                 resp = await post(proxy, role, inst, request.path, hop_body, headers)
             except BackendError as e:
-                if e.never_took_request and release is not None and not failed:
+                if e.never_took_request and release is not None:
                     release()
                 raise
+            finally:
+                release = None   # P's blocks concern the first hop only
             try:
                 if not is_stream:
                     data = await read(role, inst.url, resp)
@@ -83,8 +89,12 @@ async def final_hop(proxy: Proxy, request: web.Request, req: RouteRequest, inst:
             proxy.end(inst, ticket)
         if error.body is None:
             proxy.metrics.backend_error(role, inst.name)
-        failed.append(inst.name)
-        reason, inst = why_not_resume(proxy, error, relay, req, failed)
+        if error.is_at_capacity:   # full, not broken: it may serve the request once it has room again
+            room_deadline = room_deadline or time.monotonic() + proxy.queue_timeout
+            reason, inst = await wait_for_room(proxy, error, relay, req, failed, room_deadline)
+        else:
+            failed.append(inst.name)
+            reason, inst = why_not_resume(proxy, error, relay, req, failed)
         if reason is None:
             logger.warning("request %s: %s; resuming on %s after %d tokens", headers["X-Request-Id"], error,
                            inst.name, relay.num_tokens if relay else 0)
@@ -102,20 +112,44 @@ async def final_hop(proxy: Proxy, request: web.Request, req: RouteRequest, inst:
         return out
 
 
+def why_not(proxy: Proxy, error: BackendError, relay: StreamRelay | None, failed: list[str]) -> str | None:
+    if not error.is_retryable or (relay is not None and relay.error_event is not None
+                                  and not relay.error_is_recoverable):
+        return "not_recoverable"   # the client's 4xx, or its own deadline: the same anywhere
+    if relay is not None and relay.is_finished:
+        return "after_finish"
+    if relay is not None and not relay.is_tracked:
+        return "untracked"
+    if len(failed) > proxy.max_recoveries:
+        return "limit"
+    return None
+
+
 def why_not_resume(proxy: Proxy, error: BackendError, relay: StreamRelay | None, req: RouteRequest,
                    failed: list[str]) -> tuple[str | None, Instance | None]:
     """(None, the instance to resume on), or (why not, None)."""
-    if not error.is_retryable or (relay is not None and relay.error_event is not None
-                                  and not relay.error_is_recoverable):
-        return "not_recoverable", None   # the client's 4xx, or its own deadline: the same anywhere
-    if relay is not None and relay.is_finished:
-        return "after_finish", None
-    if relay is not None and not relay.is_tracked:
-        return "untracked", None
-    if len(failed) > proxy.max_recoveries:
-        return "limit", None
+    if (reason := why_not(proxy, error, relay, failed)) is not None:
+        return reason, None
     inst = proxy.router.replacement(req, exclude=failed, now=time.monotonic())
     return ("no_backend", None) if inst is None else (None, inst)
+
+
+async def wait_for_room(proxy: Proxy, error: BackendError, relay: StreamRelay | None, req: RouteRequest,
+                        failed: list[str], deadline: float) -> tuple[str | None, Instance | None]:
+    """After a 503 at capacity: (None, an instance under the router's caps) once one is, looking again at
+    each capacity pulse (a hop's end, a poll round), never at once (the instance that just said it is full
+    would be asked again before anything changed); ("no_room", None) at the deadline."""
+    if (reason := why_not(proxy, error, relay, failed)) is not None:
+        return reason, None
+    while (left := deadline - time.monotonic()) > 0:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(proxy.capacity.wait(), left)
+        if not any(i.is_available and i.role != "prefill" and i.name not in failed for i in proxy.router.instances):
+            return "no_backend", None
+        inst = proxy.router.replacement(req, exclude=failed, now=time.monotonic(), within_caps=True)
+        if inst is not None:
+            return None, inst
+    return "no_room", None
 
 
 async def end_with_error(proxy: Proxy, out: web.StreamResponse, error: BackendError, relay: StreamRelay,

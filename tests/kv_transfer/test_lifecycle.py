@@ -285,8 +285,7 @@ def test_handshake_without_answer_fails_at_its_deadline(d):
         spec = RecvSpec("d-req", [1], [1], "P", "p-req", "127.0.0.1", black_hole.getsockname()[1], "boot-1")
         d.apply(PullConnectorMeta(reqs_to_recv=[spec]))
         d.step()
-        d.clock_.now += d.timeout + 0.1
-        finished = step_until(d, lambda f: "d-req" in f)
+        finished = step_until(d, lambda f: "d-req" in f, timeout=d.timeout + 2)  # the exchange's own deadline
     assert finished == {"d-req"} and d.t_.take_error_blocks() == {1}
     assert "handshake" in d.t_.take_load_error("d-req")
     d.clock_.now += 1.1
@@ -301,10 +300,38 @@ def test_claim_unknown_is_asked_again_until_the_claim_deadline(d, monkeypatch):
     d.apply(PullConnectorMeta(reqs_to_recv=[p.spec("d-req", [1], [7])]))
     step_until(d, lambda f: p.types().count("claim") >= 3)  # "unknown": the grant may be on its way
     assert state(d, "d-req") == LoadState.CLAIMING
-    d.clock_.now += d.timeout + 0.1
+    d.clock_.now += d.timeout + 0.1                       # longer than one exchange: P answers, so ask on
+    step_until(d, lambda f: p.types().count("claim") >= 5)
+    assert state(d, "d-req") == LoadState.CLAIMING
+    d.clock_.now += d.claim_timeout
     assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
     assert "claim" in d.t_.take_load_error("d-req") and d.t_.take_error_blocks() == {1}
     step_until(d, lambda f: "release" in p.types())  # P may free it, had it come after all
+    loader_idle(d)
+
+
+def test_a_slow_d_step_does_not_fail_a_claim(d):
+    """D's steps under load take seconds (the 10,000-request CPU soak): a load that entered CLAIMING at
+    one step's start is claimed at its end, and P's reply is applied a step later. Neither is P's
+    silence; only the claim's own exchange, or claim_timeout, may fail it."""
+    p = d.fake_p()
+    p.holder.hold("p-1", [7])
+    d.apply(PullConnectorMeta(reqs_to_recv=[p.spec("d-1", [1], [7], "p-1")]))
+    step_until(d, lambda f: "d-1" in d.t_.posted)      # connected to P
+    d.t_.state = "DONE"
+    step_until(d, lambda f: "d-1" in f)
+    d.t_.state = "PROC"
+    p.holder.hold("p-2", [8])
+    d.apply(PullConnectorMeta(reqs_to_recv=[p.spec("d-2", [2], [8], "p-2")]))
+    assert state(d, "d-2") == LoadState.CLAIMING
+    d.clock_.now += d.timeout + 0.5                      # the step that began with the RecvSpec took this long
+    d.step()
+    assert state(d, "d-2") == LoadState.CLAIMING and "claim" in p.types()  # sent, not failed
+    d.clock_.now += 1                                    # and the next one, while the reply came back
+    step_until(d, lambda f: "d-2" in d.t_.posted or "d-2" in f)
+    assert d.t_.take_load_error("d-2") is None
+    d.t_.state = "DONE"
+    assert step_until(d, lambda f: "d-2" in f) == {"d-2"}
     loader_idle(d)
 
 

@@ -349,10 +349,12 @@ def test_past_max_in_flight_the_proxy_answers_503_with_retry_after_never_502(har
 
 
 def test_a_backend_at_capacity_passes_its_503_and_retry_after_to_the_client(harness):
+    """After waiting --queue-timeout for room (recovery.wait_for_room)."""
     c = harness.backend("colocated", "http503")
-    url = harness.proxy(colocated=[c])
+    url = harness.proxy(colocated=[c], queue_timeout=0.3)
     status, headers, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
     assert status == 503 and headers["Retry-After"] == "7" and error_of(raw)["message"] == "colocated says 503"
+    assert 2 <= len(c.received) < 10
 
 
 def test_a_request_the_decode_would_refuse_costs_no_prefill(harness):

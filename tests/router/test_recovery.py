@@ -4,6 +4,8 @@ uninterrupted one. Also: before the first byte, non-streamed requests, the limit
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.request
 
 import pytest
@@ -174,3 +176,45 @@ def test_a_stream_split_anywhere_is_relayed_whole():
         out = b"".join(relay.feed(data[i:i + size]) for i in range(0, len(data), size))
         assert out == want + protocol.SSE_DONE and relay.is_done and relay.is_tracked
         assert relay.resume_token_ids() == [5, 6, 7, 8, 9, 10] and relay.num_tokens == 6
+
+
+def test_a_decode_at_capacity_is_waited_for_not_given_up_on(harness):
+    """The 10,000-request soak: a D failed a request (a claim on P's KV timed out) and the other D, full,
+    answered 503; the router gave up on it and the client's stream ended in an error. A 503 at capacity
+    is not a failure: the request waits for room (here the only other D frees up 0.5 s later)."""
+    p, dying, full = harness.backend("prefill"), harness.backend("decode", "die_after_1"), harness.backend("decode",
+                                                                                                          "http503")
+    url = harness.proxy([p], [dying, full], eject_after=NEVER_EJECT)
+    threading.Timer(0.5, lambda: setattr(full, "mode", "ok")).start()
+    status, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert status == 200
+    same_stream(events_of(raw), uninterrupted(harness, "/v1/completions", PROMPT_BODY))
+    assert len(full.received) >= 2 and full.received[-1].body["resume"]["num_tokens"] == 1
+    assert len(full.received) < 20                         # asked again at capacity pulses, not in a loop
+    m = metrics(url)
+    assert m["pdserve:proxy_request_errors_total"] == 0
+
+
+@pytest.mark.parametrize("is_stream", [False, True], ids=["json", "stream"])
+def test_the_only_decode_at_capacity_serves_the_request_once_it_has_room(harness, is_stream):
+    p, full = harness.backend("prefill"), harness.backend("decode", "http503")
+    url = harness.proxy([p], [full], eject_after=NEVER_EJECT)
+    threading.Timer(0.5, lambda: setattr(full, "mode", "ok")).start()
+    status, _, raw = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=is_stream))
+    assert status == 200
+    if not is_stream:
+        assert json.loads(raw)["choices"][0]["text"] == "".join(PIECES)
+    assert "kv_transfer_params" in full.received[0].body and "kv_transfer_params" not in full.received[-1].body
+    assert p.releases == [{"kv_transfer_params": p.kv_transfer_params}]   # the first hop's KV went unused
+
+
+def test_room_that_never_comes_ends_at_the_queue_timeout(harness):
+    p, dying, full = harness.backend("prefill"), harness.backend("decode", "die_after_1"), harness.backend("decode",
+                                                                                                          "http503")
+    url = harness.proxy([p], [dying, full], eject_after=NEVER_EJECT, queue_timeout=0.5)
+    start = time.monotonic()
+    status, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert time.monotonic() - start < 3
+    events = events_of(raw)
+    assert status == 200 and events[-1] == "[DONE]" and "error" in events[-2]
+    assert metrics(url)['pdserve:proxy_recovery_failures_total{reason="no_room"}'] == 1
