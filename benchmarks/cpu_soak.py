@@ -4,7 +4,10 @@ What it checks (issue 13's soak): no failed request, no leaked KV blocks or requ
 the end, and every process's resident memory flat after warm-up (the curve is saved).
 
   1. start `pdserve up --num-prefill P --num-decode D` on 127.0.0.1 (its own process group)
-  2. capacity: a burst of --probe-prompts requests at rate inf gives the cluster's request throughput
+  2. capacity: --probe-prompts requests kept --probe-concurrency at a time (a closed loop, so the queue
+     stays put); the cluster's sustained rate is the completions per second between the first and the
+     last fifth of them (no ramp-up, no drain). A burst (all at once) overstates it: the 2026-12-01 soak
+     measured 8.30 req/s from a 200-request burst and then sustained only 5.76
   3. soak: --num-prompts requests at --load x that throughput (Poisson arrivals), through the proxy,
      while every process's RSS (VmRSS of the proxy, each `pdserve serve` and its engine process) is
      sampled every --rss-interval seconds
@@ -64,11 +67,23 @@ def metrics(port: int) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"^pdserve:(\w+) (\S+)$", text, re.M)}
 
 
-def bench(base_url: str, args: argparse.Namespace, num_prompts: int, rate: str, out: Path) -> dict:
+def sustained_rate(records: list[dict], trim: float = 0.2) -> float:
+    """Completions per second between the first and the last `trim` of the completions."""
+    ends = sorted(r["start_time"] + r["e2e"] for r in records if r["success"])
+    lo, hi = int(len(ends) * trim), int(len(ends) * (1 - trim)) - 1
+    if hi - lo < 10:
+        raise ValueError(f"too few completed requests ({len(ends)}) to measure a sustained rate")
+    return (hi - lo) / (ends[hi] - ends[lo])
+
+
+def bench(base_url: str, args: argparse.Namespace, num_prompts: int, rate: str, out: Path,
+          max_concurrency: int | None = None) -> dict:
     cmd = [sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", base_url, "--num-prompts",
            str(num_prompts), "--request-rate", rate, "--input-len", str(args.input_len), "--output-len",
            str(args.output_len), "--range-ratio", "0.5", "--ignore-eos", "--temperature", "0", "--seed",
            str(args.seed), "--out", str(out), "--no-progress"]
+    if max_concurrency is not None:
+        cmd += ["--max-concurrency", str(max_concurrency)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -79,7 +94,9 @@ def main() -> int:
     parser.add_argument("--num-decode", type=int, default=2)
     parser.add_argument("--port", type=int, default=28000)
     parser.add_argument("--num-prompts", type=int, default=10000)
-    parser.add_argument("--probe-prompts", type=int, default=200)
+    parser.add_argument("--probe-prompts", type=int, default=600)
+    parser.add_argument("--probe-concurrency", type=int, default=64,
+                        help="requests in flight during the capacity probe (enough to fill the batches)")
     parser.add_argument("--load", type=float, default=0.8, help="fraction of the measured capacity")
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=16)
@@ -114,8 +131,9 @@ def main() -> int:
                                 "rss_mib": {str(pid): rss_mib(pid) for pid in pids}})
                 stop.wait(args.rss_interval)
 
-        probe = bench(base_url, args, args.probe_prompts, "inf", work.with_suffix(".probe.json"))
-        capacity = probe["metrics"]["request_throughput"]
+        probe = bench(base_url, args, args.probe_prompts, "inf", work.with_suffix(".probe.json"),
+                      max_concurrency=args.probe_concurrency)
+        capacity = sustained_rate(probe["requests"])
         rate = args.load * capacity
         print(f"capacity {capacity:.2f} req/s; soak at {rate:.2f} req/s for {args.num_prompts} requests", flush=True)
         sampler = threading.Thread(target=sample_rss, daemon=True)
@@ -132,6 +150,9 @@ def main() -> int:
             "workload": {"input_len": args.input_len, "output_len": args.output_len, "range_ratio": 0.5,
                          "num_prompts": args.num_prompts},
             "capacity_req_s": capacity, "rate_req_s": rate,
+            "probe": {"num_prompts": args.probe_prompts, "concurrency": args.probe_concurrency,
+                      "num_failed": probe["metrics"].get("num_failed"),
+                      "whole_run_req_s": probe["metrics"]["request_throughput"]},
             "num_completed": summary.get("num_completed"), "num_failed": summary.get("num_failed"),
             "request_throughput": summary.get("request_throughput"),
             "ttft_ms": summary["ttft_ms"], "tpot_ms": summary["tpot_ms"], "errors": summary.get("errors"),
