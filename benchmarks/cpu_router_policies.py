@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import procs  # noqa: E402
 
 DEFAULT_CONFIGS = "round-robin:0,least-load:0,prefix-affinity:0,cost:0,cost:256"
 WORKLOADS = {
@@ -37,61 +37,25 @@ WORKLOADS = {
 }
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdserve up exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"the cluster at {url} was not ready within {timeout:.0f} s")
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def run_one(args: argparse.Namespace, policy: str, threshold: int, workload: str, work: Path) -> dict:
     url = f"http://127.0.0.1:{args.port}"
     name = f"{workload}-{policy}-{threshold}"
-    try:   # a cluster left on the port would answer for this one
-        urllib.request.urlopen(url + "/health", timeout=2)
-        raise RuntimeError(f"something already answers on {url}: stop it first")
-    except OSError:
-        pass
-    log = open(work / f"{name}.up.log", "w")
+    procs.refuse_if_answering(url)
     cmd = [sys.executable, "-m", "pdserve", "up", "--num-prefill", str(args.num_prefill), "--num-decode",
            str(args.num_decode), "--port", str(args.port), "--policy", policy,
            "--pd-min-prompt-tokens", str(threshold)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = procs.start(cmd, work / f"{name}.up.log")
     try:
-        wait_ready(url, proc, 600)
+        procs.wait_ready(url, proc, 600)
         out = work / f"{name}.json"
         bench = [sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", url, "--endpoint", "chat",
                  "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--no-progress",
                  "--out", str(out), *WORKLOADS[workload]]
         subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, timeout=3600)
         result = json.loads(out.read_text())
-        cluster = get_json(url + "/cluster")
+        cluster = procs.get_json(url + "/cluster")
     finally:
-        stop(proc)
-        log.close()
+        procs.stop(proc)
     metrics = result.get("metrics", result)
     return {"workload": workload, "policy": policy, "pd_min_prompt_tokens": threshold,
             "num_completed": metrics["num_completed"], "num_failed": metrics["num_failed"],

@@ -92,17 +92,22 @@ class Monitor:
             self.boot_ids[inst.name] = boot_id
             inst.restarted()
             return
-        self.boot_ids[inst.name] = boot_id
-        if not inst.update(report, now):
+        if not self.learn(inst, report, now):
             self.failed(inst, "malformed load report")
             return
-        events = report.get("kv_events")
-        if isinstance(events, dict):
-            self.index.apply_report(inst.name, events, now)
         if report.get("healthy") is False:
             self.failed(inst, f"unhealthy: {report.get('health')}")
             return
         self.succeeded(inst)
+
+    def learn(self, inst: Instance, report: dict, now: float) -> bool:
+        """The instance's load and KV events from one report of its current boot; False if malformed."""
+        self.boot_ids[inst.name] = report.get("boot_id")
+        if not inst.update(report, now):
+            return False
+        if isinstance(events := report.get("kv_events"), dict):
+            self.index.apply_report(inst.name, events, now)
+        return True
 
     async def fetch(self, inst: Instance) -> dict | None:
         """The instance's load report (None: it has no /v1/load and its /health said 200); ValueError on an
@@ -175,10 +180,7 @@ class Monitor:
                                            f"{'a ' + role if role else 'an instance without a KV connector'} "
                                            f"(--kv-role {role or 'none'}); a {inst.role} instance needs "
                                            f"--kv-role {' or '.join(r for r in POOL_KV_ROLES[inst.role] if r)}")
-                    self.boot_ids[inst.name] = report.get("boot_id")
-                    inst.update(report, time.monotonic())
-                    if isinstance(report.get("kv_events"), dict):
-                        self.index.apply_report(inst.name, report["kv_events"], time.monotonic())
+                    self.learn(inst, report, time.monotonic())   # (malformed: the polls will say so)
                 pending.remove(inst)
             if pending and time.monotonic() > deadline:
                 inst = pending[0]

@@ -7,52 +7,16 @@ or None when no instance can take the request (the caller answers 503 with Retry
 `Router.replacement(req, exclude, now)` a D (or colocated instance) to resume a failed stream on. The caller
 brackets each hop with `Router.begin` / `Router.end`: the router's own accounting of requests in flight,
 and its predictions of which instance will cache the prompt.
-
-`RoundRobin` and `Policy` (a URL per pick) are what proxy.py uses until it is ported to `Router`.
 """
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from pdserve.hashing import hash_prompt_blocks
 from pdserve.router.instances import DEFAULT_BLOCK_SIZE, Instance, Ticket
 from pdserve.router.prefix_index import PrefixIndex
-
-# --- the URL-pool round-robin proxy.py uses today ----------------------------------------------------------
-
-
-class Policy(Protocol):
-    urls: tuple[str, ...]
-
-    def pick(self, exclude: Collection[str] = ()) -> str | None: ...
-
-    def release(self, url: str) -> None: ...
-
-
-class RoundRobin:
-    """A pool of URLs; each pick takes the next in order, skipping excluded ones (the proxy excludes backends
-    that already failed the request); `release` is a no-op kept for the proxy's calls."""
-
-    def __init__(self, urls: Sequence[str]) -> None:
-        if not urls:
-            raise ValueError("urls: a pool needs at least one backend URL")
-        self.urls = tuple(urls)
-        self._next_index = 0
-
-    def pick(self, exclude: Collection[str] = ()) -> str | None:
-        num_urls = len(self.urls)
-        for offset in range(num_urls):
-            index = (self._next_index + offset) % num_urls
-            if self.urls[index] not in exclude:
-                self._next_index = (index + 1) % num_urls
-                return self.urls[index]
-        return None
-
-    def release(self, url: str) -> None:
-        pass
-
 
 # --- requests, settings, answers ---------------------------------------------------------------------------
 

@@ -1,34 +1,12 @@
-"""Routing decisions against fake instance states: the URL RoundRobin the proxy uses today; the four policies,
+"""Routing decisions against fake instance states: the four policies,
 the hard caps, the PD decider's reasons, stream-recovery replacements, the accounting and the counters."""
 import pytest
 
 from pdserve.hashing import hash_prompt_blocks
 from pdserve.router.instances import Instance
-from pdserve.router.policy import (DECODE, POLICIES, PREFILL, CostPolicy, RoundRobin, Route, Router, RouterConfig,
+from pdserve.router.policy import (DECODE, POLICIES, PREFILL, CostPolicy, Route, Router, RouterConfig,
                                    RouteRequest, estimated_seconds)
 from pdserve.router.prefix_index import PrefixIndex
-
-# --- the URL round-robin proxy.py uses until it is ported ----------------------------------------------------
-
-
-def test_round_robin_cycles_in_order():
-    policy = RoundRobin(["a", "b", "c"])
-    assert [policy.pick() for _ in range(7)] == ["a", "b", "c", "a", "b", "c", "a"]
-
-
-def test_round_robin_skips_excluded_and_returns_none_when_all_are():
-    policy = RoundRobin(["a", "b", "c"])
-    assert policy.pick(exclude={"a"}) == "b"
-    assert policy.pick(exclude={"c"}) == "a"      # after b comes c, excluded, so a
-    assert policy.pick(exclude={"a", "b", "c"}) is None
-    assert policy.pick() == "b"                   # a failed pick does not move the cursor
-    policy.release("b")                           # a no-op for round-robin
-
-
-def test_round_robin_needs_a_url():
-    with pytest.raises(ValueError, match="urls"):
-        RoundRobin([])
-
 
 # --- fake cluster states --------------------------------------------------------------------------------------
 
