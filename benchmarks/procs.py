@@ -20,9 +20,11 @@ def refuse_if_answering(url: str) -> None:
     raise RuntimeError(f"something already answers on {url}: stop it first")
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
+def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """env: variables set for the child on top of this process's environment."""
     with open(log, "w") as out:   # the child keeps its own descriptor
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health") -> None:

@@ -246,6 +246,8 @@ def serve_main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
+    from pdserve.http_guard import use_fast_event_loop
+    logging.getLogger("pdserve.server").info("event loop: %s", use_fast_event_loop())
     try:
         asyncio.run(_serve(config, args.host, args.port, server_config))
     except (RuntimeError, ValueError, FileNotFoundError) as e:

@@ -35,7 +35,9 @@ Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions`:
    `resume: {token_ids, num_tokens}`, the tokens the client has already received; the new instance goes on
    from there and its events reach the client as the same stream (the first one's id, created and model).
    Nothing to resume on (or the limit reached, or a stream without token ids): before any byte a 502 naming
-   the D (a 503 with its Retry-After), after it an SSE error event, then `data: [DONE]`.
+   the D, after it an SSE error event, then `data: [DONE]`. A D that answers 503 at capacity has not
+   failed: the request waits for room on any D or colocated instance (at most --queue-timeout), then the
+   503 and its Retry-After go to the client.
 8. Client disconnect: the handler is cancelled (handler_cancellation) or its write fails; closing the upstream
    response closes D's connection, or P's during step 3, and that backend aborts the request.
 9. D never took the request (no connection, or it answered with an error status): POST P /v1/kv/release with
@@ -68,7 +70,7 @@ from aiohttp import web
 from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV
 from pdserve.http_guard import (INLINE_PARSE_BYTES, RETRY_AFTER_S, ROUTER_KEY_HEADER, bearer_token,
                                 expect_handler, parse_json, quiet_malformed_requests, read_body, runner_args,
-                                secret_matches)
+                                secret_matches, use_fast_event_loop)
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, error_body
 from pdserve.router.errors import (NETWORK_ERRORS, BackendError, ClientError, describe, json_error, json_errors,
@@ -552,6 +554,7 @@ def main_proxy(args: argparse.Namespace) -> int:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2
     # handler_cancellation: a client disconnect cancels the handler, which closes the hop in progress.
+    logger.info("event loop: %s", use_fast_event_loop())
     try:
         web.run_app(app, host=args.host, port=args.port, access_log=None, **runner_args())
     except StartupError as e:
