@@ -9,6 +9,7 @@ import hmac
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 from aiohttp import HttpVersion11, http_exceptions, web
@@ -66,6 +67,9 @@ def parse_json(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
+        if "integer string conversion" in str(e):   # Python's own limit: its message names sys internals
+            raise ProtocolError(400, f"the request body has an integer of more than "
+                                     f"{sys.get_int_max_str_digits()} digits") from None
         raise ProtocolError(400, f"the request body is not valid JSON: {e}") from None
 
 

@@ -6,11 +6,12 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from pdserve.http_guard import RETRY_AFTER_S
+from pdserve.http_guard import INLINE_PARSE_BYTES, RETRY_AFTER_S
 from pdserve.router.errors import NETWORK_ERRORS, BackendError, describe, error_message_of, public_detail
 
 if TYPE_CHECKING:
@@ -18,6 +19,24 @@ if TYPE_CHECKING:
     from pdserve.router.proxy import Proxy
 
 logger = logging.getLogger(__name__)
+
+
+JSON = "application/json"
+# The size of the client's body, set by the proxy for the request's task: a large one is encoded off the
+# event loop (28 MB of emoji took 0.09 s to encode, 0.32 s with json's default ASCII escapes, 3x larger).
+BODY_BYTES: ContextVar[int] = ContextVar("BODY_BYTES", default=0)
+
+
+def _encode(body: Any) -> bytes:
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:   # a lone surrogate ("\\ud800" in the client's JSON): escaped, as it came
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+async def encode_json(body: Any) -> bytes:
+    """UTF-8 JSON, characters as they are (no \\u escapes); off the event loop for a large body."""
+    return _encode(body) if BODY_BYTES.get() <= INLINE_PARSE_BYTES else await asyncio.to_thread(_encode, body)
 
 
 def kv_transfer_params_of(data: bytes) -> dict | None:
@@ -45,8 +64,9 @@ async def post(proxy: Proxy, role: str, inst: Instance, path: str, body: dict,
     instance that refuses the connection counts as a failed health check (the monitor may eject it)."""
     url = inst.url
     proxy.metrics.backend_request(role, inst.name)
+    data = await encode_json(body)
     try:
-        resp = await proxy.session.post(url + path, json=body, headers=headers)
+        resp = await proxy.session.post(url + path, data=data, headers={**headers, "Content-Type": JSON})
     except NETWORK_ERRORS as e:
         never_took = isinstance(e, aiohttp.ClientConnectorError)
         if never_took:
@@ -64,9 +84,11 @@ async def post(proxy: Proxy, role: str, inst: Instance, path: str, body: dict,
         raise BackendError(role, url, f"HTTP {resp.status}", resp.status, data,
                            resp.headers.get("Content-Type", "application/json"), never_took_request=True)
     if resp.status == 503:  # at capacity: the client should back off as the backend says (another P first)
+        retry_after = resp.headers.get("Retry-After", str(RETRY_AFTER_S))
+        inst.mark_full(time.monotonic(), retry_after)
         raise BackendError(role, url, "HTTP 503 (at capacity)", 503, data,
                            resp.headers.get("Content-Type", "application/json"), never_took_request=True,
-                           retry_after=resp.headers.get("Retry-After", str(RETRY_AFTER_S)))
+                           retry_after=retry_after)
     message = error_message_of(data)  # a pdserve instance words its errors for clients already
     raise BackendError(role, url, f"HTTP {resp.status}: {data[:300].decode(errors='replace')}",
                        public_detail=f"failed: {message}" if message else f"failed (HTTP {resp.status})",

@@ -122,6 +122,10 @@ def ewma(old: float | None, new: float) -> float:
     return new if old is None else (1.0 - EWMA_ALPHA) * old + EWMA_ALPHA * new
 
 
+MIN_FULL_HOLD_S = 0.1   # an instance's 503 at capacity holds new hops back at least one poll interval ...
+MAX_FULL_HOLD_S = 2.0   # ... and at most this, whatever its Retry-After says (the polls see it sooner)
+
+
 class Instance:
     def __init__(self, name: str, url: str, role: str) -> None:
         if role not in ROLES:
@@ -136,6 +140,7 @@ class Instance:
         self.own_prompt_tokens = 0          # of requests whose prompt is not computed yet
         self._blocks_since_report = 0       # blocks the router sent since the last report (it cannot see them)
         self._generation = 0                # report count: tells a ticket begun before the last report
+        self.full_until = 0.0               # it answered 503 at capacity: no new hop before then
         # Learned rates; None until measured.
         self._prefill_tokens_per_s: float | None = None
         self._decode_step_s: float | None = None
@@ -162,6 +167,21 @@ class Instance:
             self.num_ejections += 1
             return True
         return False
+
+    def mark_full(self, now: float, retry_after: str | None) -> None:
+        """It answered a hop with 503 at capacity: send it nothing new for its Retry-After (capped at
+        MAX_FULL_HOLD_S), so that waiting requests do not retry it as fast as they can (a retry storm
+        that grows with the square of the waiters, found by a hostile test)."""
+        try:
+            seconds = float(retry_after) if retry_after is not None else MIN_FULL_HOLD_S
+        except ValueError:   # an HTTP date, or garbage
+            seconds = MIN_FULL_HOLD_S
+        if not math.isfinite(seconds):
+            seconds = MAX_FULL_HOLD_S
+        self.full_until = max(self.full_until, now + min(max(seconds, MIN_FULL_HOLD_S), MAX_FULL_HOLD_S))
+
+    def is_full(self, now: float) -> bool:
+        return now < self.full_until
 
     def record_success(self) -> bool:
         """A good poll. True when it re-admitted an ejected instance."""

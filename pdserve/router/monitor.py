@@ -1,6 +1,8 @@
 """The router's eyes: every instance's GET /v1/load, polled, feeding its Instance record and the prefix index.
 
-One poll per instance every `interval` seconds, all instances at once, each with a deadline (`timeout`):
+One poll per instance every `interval` seconds, all instances at once, each with a deadline (`timeout`); a
+round lasts one interval whatever the slowest instance does (its poll goes on, and it is asked again only
+once that one ended):
 - a good report updates the instance (load, learned rates) and the prefix index (KV events since the last
   poll; a restarted instance, a gap or a first poll is answered with a snapshot) and re-admits an ejected
   instance;
@@ -58,17 +60,30 @@ class Monitor:
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         self.session = session
-        while True:
-            started = time.monotonic()
-            # One instance's unexpected error must not end the polls of all (nothing would be re-admitted).
-            for inst, error in zip(self.instances, await asyncio.gather(
-                    *(self.poll(inst) for inst in self.instances), return_exceptions=True)):
-                if isinstance(error, Exception):
-                    logger.error("polling %s failed", inst.name, exc_info=error)
-                    self.failed(inst, f"poll error: {type(error).__name__}")
-            self.index.purge(time.monotonic())
-            self.on_round()
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+        polls: dict[str, asyncio.Task] = {}   # at most one poll per instance in flight
+        try:
+            while True:
+                started = time.monotonic()
+                for inst in self.instances:
+                    if inst.name not in polls:
+                        polls[inst.name] = asyncio.create_task(self.poll(inst))
+                # A round waits one interval at most: an instance that answers slowly, or not at all (until its
+                # poll's timeout), must not hold back every other instance's polls (a hostile test: one hung
+                # /v1/load made every round last the 2 s timeout, and a dead instance took 6 s to eject).
+                await asyncio.wait(polls.values(), timeout=self.interval)
+                for inst in self.instances:
+                    if (task := polls.get(inst.name)) is not None and task.done():
+                        del polls[inst.name]
+                        # One poll's unexpected error must not end the polls (nothing would be re-admitted).
+                        if (error := task.exception()) is not None:
+                            logger.error("polling %s failed", inst.name, exc_info=error)
+                            self.failed(inst, f"poll error: {type(error).__name__}")
+                self.index.purge(time.monotonic())
+                self.on_round()
+                await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+        finally:
+            for task in polls.values():
+                task.cancel()
 
     async def poll(self, inst: Instance) -> None:
         try:

@@ -273,9 +273,10 @@ class Router:
 
     def route(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0) -> Route | None:
         """Where the request goes; None when no instance can take it. exclude: names that failed it."""
-        prefills = [inst for inst in self.instances if inst.role == "prefill" and self._admits(inst, req, exclude)]
+        prefills = [inst for inst in self.instances
+                    if inst.role == "prefill" and self._admits(inst, req, exclude, now)]
         directs = [inst for inst in self.instances
-                   if inst.role in ("decode", "colocated") and self._admits(inst, req, exclude)]
+                   if inst.role in ("decode", "colocated") and self._admits(inst, req, exclude, now)]
         if not directs:
             self.num_no_candidate += 1
             return None
@@ -308,7 +309,7 @@ class Router:
         admission still decides)."""
         available = [inst for inst in self.instances if inst.role in ("decode", "colocated")
                      and inst.is_available and inst.name not in exclude]
-        candidates = [inst for inst in available if self._admits(inst, req, exclude)]
+        candidates = [inst for inst in available if self._admits(inst, req, exclude, now)]
         if not candidates and within_caps:
             return None
         candidates = candidates or available
@@ -320,9 +321,9 @@ class Router:
         self.num_replacements += 1
         return inst
 
-    def _admits(self, inst: Instance, req: RouteRequest, exclude: Collection[str]) -> bool:
+    def _admits(self, inst: Instance, req: RouteRequest, exclude: Collection[str], now: float) -> bool:
         """The hard caps of docs/router.md, step 1."""
-        if not inst.is_available or inst.name in exclude:
+        if not inst.is_available or inst.name in exclude or inst.is_full(now):
             return False
         cap = self.config.max_per_instance
         if cap is not None and inst.num_in_flight >= cap:

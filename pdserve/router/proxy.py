@@ -75,7 +75,7 @@ from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, error_body
 from pdserve.router.errors import (NETWORK_ERRORS, BackendError, ClientError, describe, json_error, json_errors,
                                    public_detail)
-from pdserve.router.hops import prefill_hop, release_on_prefill
+from pdserve.router.hops import BODY_BYTES, JSON, encode_json, prefill_hop, release_on_prefill
 from pdserve.router.instances import Instance, Ticket
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.monitor import DEFAULT_EJECT_AFTER, DEFAULT_POLL_INTERVAL_S, Monitor, StartupError
@@ -180,6 +180,7 @@ class Proxy:
             data = await read_body(request, self.body_timeout, self.max_body_bytes)
         except ProtocolError as e:
             raise ClientError(e.status, e.message) from None
+        BODY_BYTES.set(len(data))
         if len(data) <= INLINE_PARSE_BYTES:
             return parse_body(data, schema)
         return await asyncio.to_thread(parse_body, data, schema)
@@ -312,8 +313,10 @@ class Proxy:
         while (inst := self.passthrough_instance()) is not None and inst.name not in tried:
             tried.add(inst.name)
             try:
-                async with self.session.request(request.method, inst.url + request.path, json=data,
-                                                headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                payload = None if data is None else await encode_json(data)
+                async with self.session.request(request.method, inst.url + request.path, data=payload,
+                                                headers={**headers, "Content-Type": JSON},
+                                                timeout=aiohttp.ClientTimeout(total=60)) as resp:
                     if resp.status in (401, 403):
                         raise BackendError(inst.role, inst.url, f"HTTP {resp.status}",
                                            public_detail="refused the router")

@@ -354,7 +354,7 @@ def test_a_backend_at_capacity_passes_its_503_and_retry_after_to_the_client(harn
     url = harness.proxy(colocated=[c], queue_timeout=0.3)
     status, headers, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
     assert status == 503 and headers["Retry-After"] == "7" and error_of(raw)["message"] == "colocated says 503"
-    assert 2 <= len(c.received) < 10
+    assert len(c.received) == 1   # held back for its Retry-After (capped at 2 s), past the queue timeout
 
 
 def test_a_request_the_decode_would_refuse_costs_no_prefill(harness):

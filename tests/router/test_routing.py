@@ -19,7 +19,7 @@ from pdserve.router.policy import REASONS, RouterConfig
 from pdserve.router.proxy import PROXY_KEY
 from pdserve.router.status import format_cluster
 
-from .conftest import MODEL, PIECES, dead_url, post_raw
+from .conftest import MODEL, NEVER_EJECT, PIECES, dead_url, post_raw
 
 PREFIX = list(range(1000, 1064))          # 64 token ids: 4 blocks of 16
 BLOCK_HASHES = hash_prompt_blocks(PREFIX, 16, "")
@@ -450,3 +450,28 @@ def test_an_unexpected_error_in_one_poll_does_not_stop_the_monitor(harness):
     polls = c2.num_polls
     assert wait_for(lambda: len(calls) >= 3 and c2.num_polls >= polls + 3)   # both go on being polled
     assert instance(cluster(url), "colocated-0")["state"] == "healthy"
+
+
+def test_an_instance_whose_load_report_hangs_does_not_slow_the_others_polls(harness):
+    """A hostile test: one hung GET /v1/load made every poll round last the poll timeout (2 s), so the
+    healthy instance was polled 5 times in 10 s instead of ~100, and a dead one took 6 s to eject."""
+    hung, healthy = harness.backend("colocated"), harness.backend("colocated")
+    hung.load_mode = "hang"
+    harness.proxy(colocated=[hung, healthy], poll_interval=POLL)
+    time.sleep(0.3)
+    before = healthy.num_polls
+    time.sleep(1.0)
+    assert healthy.num_polls - before >= 8      # ~20 at one poll per 50 ms; before the fix 0 or 1
+    assert hung.num_polls <= 2                  # its poll still in flight: not asked again meanwhile
+
+
+def test_an_instance_at_capacity_is_not_asked_again_until_its_retry_after(harness):
+    """A hostile test: with one instance answering 503 forever, two waiting requests woke each other at
+    every hop's end and sent it ~1,300 requests a second. Now its Retry-After (capped at 2 s) holds new
+    hops back, for every waiting request at once."""
+    full = harness.backend("colocated", "http503")   # Retry-After: 7, held 2 s
+    url = harness.proxy(colocated=[full], poll_interval=POLL, queue_timeout=1.0, eject_after=NEVER_EJECT)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: complete(url, tail(i)), range(8)))
+    assert all(status == 503 and headers["Retry-After"] == "7" for status, headers, _ in answers)
+    assert len(full.received) <= 8 + 2           # once each, then held past the queue timeout
