@@ -71,15 +71,15 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for both (default: what pdserve's start-up probe picks)")
+                   help="torch threads for both (default: pdserve's, one per allowed core)")
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
     if args.threads is None:
-        from pdserve.worker.cpu_threads import choose_num_threads
-        args.threads = choose_num_threads()
+        from pdserve.worker.cpu_threads import allowed_cores
+        args.threads = allowed_cores()
     prompts = random_prompts(args.num_prompts, args.input_len, args.seed)
     ours = run_pdserve(prompts, args.output_len, args.threads)
     print(f"pdserve:      {ours['output_tokens']} tokens in {ours['seconds']:.1f} s = "

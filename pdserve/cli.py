@@ -56,8 +56,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes of KV cache on CPU (default 1 GiB)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights + KV cache (CUDA)")
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of the engine (default: 1 or all allowed cores, "
-                        "whichever a start-up matmul finds faster)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of the engine (default: one per core the process may "
+                        "run on; `pdserve up` divides the cores among its instances)")
     g.add_argument("--cpu-cores", default=None,
                    help="pin the engine process to these cores, e.g. 0,1 (CPU deployments)")
 

@@ -3,7 +3,8 @@
 Lifecycle:
   1. split this machine's devices among the instances: on CUDA one GPU each (round-robin when
      there are fewer GPUs), on CPU disjoint sets of cores, each engine pinned to its own cores
-     with as many torch threads as cores (two engines sharing a core halve each other's speed)
+     with as many torch threads as cores (two engines sharing a core halve each other's speed);
+     with more instances than cores, unpinned, each with its share of threads (at least one)
   2. start each instance as `pdserve serve --kv-role producer|consumer` and the proxy in front; a fresh
      router key (or $PDSERVE_ROUTER_KEY) goes to every child through the environment: the proxy sends
      it, the instances require it (as their API key too, so that with --host 0.0.0.0 a client cannot
@@ -31,6 +32,12 @@ from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV
 
 HEALTH_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 15.0
+
+
+def threads_per_instance(num_instances: int, cores: Sequence[int] | None = None) -> int:
+    """torch threads for each of `num_instances` engines sharing `cores` (default: the allowed ones)."""
+    num_cores = len(os.sched_getaffinity(0) if cores is None else cores)
+    return max(1, num_cores // max(1, num_instances))
 
 
 def split_cores(num_instances: int, cores: Sequence[int] | None = None) -> list[list[int] | None]:
@@ -111,7 +118,7 @@ RESTART_WINDOW_S = 600.0
 
 def instance_command(role: str, index: int, port: int, *, model: str, host: str, serve_args: Sequence[str],
                      role_args: Sequence[str], kv_connector: str, kv_transfer_config: str | None,
-                     cores: Sequence[int] | None) -> list[str]:
+                     cores: Sequence[int] | None, num_threads: int | None = None) -> list[str]:
     """`pdserve serve` for one instance: the shared flags, then the role's own (later flags win, so
     --prefill-args / --decode-args override what every instance gets). role: producer, consumer or
     colocated (no KV connector: it prefills and decodes its requests itself)."""
@@ -123,6 +130,8 @@ def instance_command(role: str, index: int, port: int, *, model: str, host: str,
     cmd += ["--engine-id", f"{ROLE_NAMES[role]}-{index}", *serve_args]
     if cores:
         cmd += ["--cpu-cores", ",".join(map(str, cores)), "--num-threads", str(len(cores))]
+    elif num_threads:
+        cmd += ["--num-threads", str(num_threads)]
     return cmd + list(role_args)
 
 
@@ -195,6 +204,8 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
                  + [("colocated", i) for i in range(num_colocated)])
     use_cuda = device == "cuda" or (device == "auto" and (gpus is not None or num_gpus() > 0))
     cores = [None] * len(instances) if use_cuda else split_cores(len(instances))
+    # More instances than cores: the OS shares the cores, and each engine gets its share of threads.
+    threads = None if use_cuda or cores[0] is not None else threads_per_instance(len(instances))
     cuda_devices = (list(gpus) if gpus is not None else list(range(num_gpus()))) if use_cuda else []
     role_args = {"producer": prefill_args, "consumer": decode_args, "colocated": colocated_args}
     children = ChildProcesses()
@@ -213,7 +224,7 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
             inst_port = port + 1 + n
             cmd = instance_command(role, i, inst_port, model=model, host=host, serve_args=serve_args,
                                    role_args=role_args[role], kv_connector=kv_connector,
-                                   kv_transfer_config=kv_transfer_config, cores=cores[n])
+                                   kv_transfer_config=kv_transfer_config, cores=cores[n], num_threads=threads)
             env = dict(instance_env)
             if cuda_devices:   # one GPU each, round-robin when there are more instances than GPUs
                 env["CUDA_VISIBLE_DEVICES"] = str(cuda_devices[n % len(cuda_devices)])

@@ -39,7 +39,7 @@ from pdserve.kv_transfer.factory import create_connector
 from pdserve.model.loader import load_tokenizer, resolve_model_path
 from pdserve.outputs import FinishReason, RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.worker.cpu_threads import choose_num_threads
+from pdserve.worker.cpu_threads import set_num_threads
 from pdserve.worker.model_runner import ModelRunner, resolve_device_and_dtype
 
 logger = logging.getLogger(__name__)
@@ -73,10 +73,8 @@ class EngineCore:
         self.tokenizer = load_tokenizer(mc.model)
         self._decode = fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         device, dtype = resolve_device_and_dtype(mc)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        elif device.type == "cpu":
-            choose_num_threads()
+        if config.num_threads or device.type == "cpu":
+            set_num_threads(config.num_threads)
         # The connector is built after the runner: its compatibility hash needs the model's identity.
         self.runner = ModelRunner(mc, config.cache, None, num_blocks,
                                   max_num_seqs=config.scheduler.max_num_seqs)

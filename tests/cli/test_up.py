@@ -154,3 +154,29 @@ def test_the_supervisor_restarts_a_dead_instance_with_backoff_and_gives_up_on_th
     assert reason is not None and "decode-0" in reason
     router.returncode = 0
     assert "the router" in cluster.Supervisor(children, {}).check(now=0.0)
+
+
+def test_instances_outnumbering_cores_share_them_with_their_share_of_threads():
+    """Four instances on two cores: unpinned, one thread each (issue 15: no timing race decides it)."""
+    from pdserve.cluster import split_cores, threads_per_instance
+    assert split_cores(4, [0, 1]) == [None] * 4 and threads_per_instance(4, [0, 1]) == 1
+    assert split_cores(2, [0, 1, 2, 3]) == [[0, 1], [2, 3]] and threads_per_instance(3, range(8)) == 2
+    cmd = instance_command("producer", 0, 8001, model="default", host="127.0.0.1", serve_args=[], role_args=[],
+                           kv_connector="nixl", kv_transfer_config=None, cores=None, num_threads=1)
+    args = cli.build_parser().parse_args(cmd[3:])
+    assert args.num_threads == 1 and args.cpu_cores is None
+
+
+def test_an_engine_uses_one_thread_per_allowed_core_unless_told(monkeypatch):
+    import os
+
+    import torch
+
+    from pdserve.worker.cpu_threads import set_num_threads
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+        assert set_num_threads(None) == 3 and torch.get_num_threads() == 3
+        assert set_num_threads(1) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
