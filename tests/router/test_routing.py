@@ -473,5 +473,7 @@ def test_an_instance_at_capacity_is_not_asked_again_until_its_retry_after(harnes
     url = harness.proxy(colocated=[full], poll_interval=POLL, queue_timeout=1.0, eject_after=NEVER_EJECT)
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda i: complete(url, tail(i)), range(8)))
-    assert all(status == 503 and headers["Retry-After"] == "7" for status, headers, _ in answers)
-    assert len(full.received) <= 8 + 2           # once each, then held past the queue timeout
+    # A 503 with Retry-After each: the instance's own (it was asked) or the router's (it came after the
+    # instance was marked full, waited in the router's queue and timed out there).
+    assert all(status == 503 and headers["Retry-After"] in ("7", "1") for status, headers, _ in answers)
+    assert 1 <= len(full.received) <= 8          # at most once each, then held past the queue timeout
