@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import procs  # noqa: E402
 
 LEAK_GAUGES = ("num_requests_running", "num_requests_waiting", "num_requests_waiting_for_remote_kvs",
                "num_blocks_held_for_transfer", "kv_cache_usage_perc")
@@ -168,12 +169,7 @@ def main() -> int:
         return 0 if not result["num_failed"] and not any(leaks.values()) else 1
     finally:
         stop.set()
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
+        procs.stop(up)
         log.close()
 
 
