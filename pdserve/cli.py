@@ -53,9 +53,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the device runs this one, hiding the engine's "
                         "host work (default: on for CUDA, off for CPU, where it would gain nothing)")
     g.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes of KV cache on CPU (default 1 GiB)")
+                   help="bytes of KV cache (CPU default 1 GiB; on CUDA it overrides --gpu-memory-utilization)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights + KV cache (CUDA)")
+                   help="this instance's fraction of its GPU's memory for weights + KV cache (CUDA; "
+                        "instances sharing a GPU each take their own fraction)")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of the engine (default: one per core the process may "
                         "run on; `pdserve up` divides the cores among its instances)")
     g.add_argument("--cpu-cores", default=None,
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-args", default="", metavar="'FLAGS'",
                     help="more `pdserve serve` flags for the decode instances only, e.g. "
                          "--decode-args='--max-num-seqs 512'")
-    up.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per instance on CPU")
+    up.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per instance (on CUDA instead of the memory fraction)")
     up.add_argument("--num-colocated", type=int, default=0,
                     help="colocated instances (no KV handoff: each prefills and decodes its requests); alone "
                          "(--num-prefill 0 --num-decode 0) a plain load-balanced cluster, beside P and D a "

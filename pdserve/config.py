@@ -36,8 +36,8 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None         # bytes, CPU
-    gpu_memory_utilization: float = 0.9        # CUDA
+    kv_cache_memory: int | None = None         # bytes (CPU; on CUDA it wins over the fraction)
+    gpu_memory_utilization: float = 0.9        # CUDA: this instance's share of its GPU
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

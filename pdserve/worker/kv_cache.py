@@ -22,11 +22,17 @@ def block_bytes(info: ModelInfo, block_size: int, dtype: torch.dtype) -> int:
 
 
 def kv_cache_budget(cache: CacheConfig, device: torch.device) -> int:
+    """Bytes for the KV cache: kv_cache_memory when given (CPU or CUDA); on CUDA otherwise this
+    instance's share of the GPU (gpu_memory_utilization of its memory, less what this process already
+    holds: the weights) and never more than is free now, so instances sharing a GPU each take their
+    own fraction instead of the first one's leftovers."""
+    if cache.kv_cache_memory:
+        return cache.kv_cache_memory
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        return int(total * cache.gpu_memory_utilization) - used - GPU_ACTIVATION_RESERVE_BYTES
-    return cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        share = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_reserved(device)
+        return min(share, free) - GPU_ACTIVATION_RESERVE_BYTES
+    return DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def allocate_kv_cache(info: ModelInfo, cache: CacheConfig, dtype: torch.dtype,
@@ -35,6 +41,14 @@ def allocate_kv_cache(info: ModelInfo, cache: CacheConfig, dtype: torch.dtype,
     if num_blocks is None:
         num_blocks = kv_cache_budget(cache, device) // per_block
     if num_blocks < 1:
+        if device.type == "cuda" and not cache.kv_cache_memory:
+            free, total = torch.cuda.mem_get_info(device)
+            raise ValueError(
+                f"gpu_memory_utilization {cache.gpu_memory_utilization:g} leaves no room for one KV block of "
+                f"{per_block} bytes: of the GPU's {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free) this "
+                f"process holds {torch.cuda.memory_reserved(device) / 2**30:.1f} GiB and "
+                f"{GPU_ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB stay for activations; raise it, or set "
+                f"kv_cache_memory (bytes)")
         raise ValueError(f"kv_cache_memory: too small for one block of {per_block} bytes")
     # [blocks, layers, k/v, slots, heads, dim]
     return torch.zeros(num_blocks, info.num_layers, 2, cache.block_size, info.num_kv_heads,

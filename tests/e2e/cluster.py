@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -114,10 +115,17 @@ class Process:
 ROUTER_KEY = "e2e-router-key"
 
 
+# The model and device flags of every instance: on CPU the default model; the GPU fault matrix
+# (benchmarks/gpu_fault_matrix.sh) replaces them with a GPU instance's through the environment.
+INSTANCE_ARGS = shlex.split(os.environ.get(
+    "PDSERVE_E2E_INSTANCE_ARGS", f"--model default --kv-cache-memory {128 << 20} --num-threads 1"))
+# The P/D transport the fault matrix runs over: nixl (DRAM on CPU, VRAM on a GPU) or cuda_ipc.
+KV_CONNECTOR = os.environ.get("PDSERVE_E2E_KV_CONNECTOR", "nixl")
+
+
 def serve(name: str, *extra: str, router_key: str | None = ROUTER_KEY) -> Process:
     """An instance that, like every instance `pdserve up` starts, takes KV params only with the router key."""
-    return Process(["serve", "--model", "default", "--kv-cache-memory", str(128 << 20),
-                    "--num-threads", "1", *extra], name,
+    return Process(["serve", *INSTANCE_ARGS, *extra], name,
                    env={"PDSERVE_ROUTER_KEY": router_key} if router_key else None)
 
 
