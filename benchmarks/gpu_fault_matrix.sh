@@ -5,8 +5,10 @@
 # Each transport named runs the whole matrix (default: cuda_ipc, which needs no nixl wheel; nixl reads VRAM
 # when the nixl wheel travels in .whl). Per transport: $OUT/fault-matrix-T.json (each fault's measured time)
 # and $OUT/fault-matrix-T.log (pytest's output, the instances' logs on failure).
-#   here:  python benchmarks/export_model_shape.py .gpu-model   (and .whl: ../shared/tools/device-wheels.sh)
-#   there: OUT=/some/dir bash benchmarks/gpu_fault_matrix.sh [cuda_ipc] [nixl]
+#   here:  python benchmarks/export_model_shape.py .gpu-model; ../shared/tools/device-wheels.sh nixl-cu13==1.5.1 \
+#          pydantic==2.12.5 pydantic-core==2.41.5 annotated-types typing-inspection && python benchmarks/slim_nixl_wheel.py
+#   there: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+#          OUT=/some/dir bash benchmarks/gpu_fault_matrix.sh [cuda_ipc] [nixl]
 set -u
 : "${OUT:?set OUT to the output directory}"
 [ -f .gpu-model/config.json ] || { echo "no .gpu-model: run benchmarks/export_model_shape.py .gpu-model here" >&2; exit 2; }
