@@ -1,6 +1,6 @@
 """Repack the nixl-cu13 wheel in .whl without what pdserve never loads (its expert-parallel libraries,
-three builds of ~31 MB each, and UCX's perftest), so that it travels to the GPU machine with the tree
-inside the 64 MiB a device call may carry (59 MB -> 28 MB).
+three builds of ~31 MB each uncompressed, and UCX's perftest), so that it travels to the GPU machine with
+the tree inside the 64 MiB a device call may carry (the wheel: 59 MB -> 28 MB).
 
     ../shared/tools/device-wheels.sh nixl-cu13==1.5.1 && python benchmarks/slim_nixl_wheel.py
 """

@@ -55,8 +55,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes of KV cache (CPU default 1 GiB; on CUDA it overrides --gpu-memory-utilization)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="this instance's fraction of its GPU's memory for weights + KV cache (CUDA; "
-                        "instances sharing a GPU each take their own fraction)")
+                   help="this instance's fraction of its GPU's memory for weights + KV cache (CUDA), never "
+                        "more than is free; instances sharing a GPU: fractions adding up to at most ~0.9 "
+                        "(`pdserve up` divides 0.9 among them)")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of the engine (default: one per core the process may "
                         "run on; `pdserve up` divides the cores among its instances)")
     g.add_argument("--cpu-cores", default=None,

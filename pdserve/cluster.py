@@ -31,6 +31,7 @@ from typing import IO, Mapping, Sequence
 from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV
 
 HEALTH_TIMEOUT_S = 600
+GPU_MEMORY_FRACTION = 0.9   # of one GPU, for the instances `up` puts on it together (serve's default alone)
 STOP_TIMEOUT_S = 15.0
 
 
@@ -228,6 +229,10 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
             env = dict(instance_env)
             if cuda_devices:   # one GPU each, round-robin when there are more instances than GPUs
                 env["CUDA_VISIBLE_DEVICES"] = str(cuda_devices[n % len(cuda_devices)])
+                sharing = len(range(n % len(cuda_devices), len(instances), len(cuda_devices)))
+                if sharing > 1:   # each its part of the default fraction; explicit flags (later) win
+                    cmd[cmd.index("--engine-id"):cmd.index("--engine-id")] = [
+                        "--gpu-memory-utilization", f"{GPU_MEMORY_FRACTION / sharing:.3f}"]
             name = f"{ROLE_NAMES[role]}-{i}"
             proc = children.start(cmd, name=name, env=env)
             commands[proc.pid] = (name, cmd, env)

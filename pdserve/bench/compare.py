@@ -559,7 +559,7 @@ def add_compare_parser(bench_sub: argparse._SubParsersAction) -> None:
     m.add_argument("--max-model-len", type=_positive_int, default=None)
     m.add_argument("--max-num-seqs", type=_positive_int, default=None,
                    help="most requests running at once, per instance (default: the instance's, 256)")
-    m.add_argument("--kv-cache-memory", type=_positive_int, default=None, help="bytes of KV cache per instance (CPU)")
+    m.add_argument("--kv-cache-memory", type=_positive_int, default=None, help="bytes of KV cache per instance (on CUDA instead of the memory fraction)")
 
     r = p.add_argument_group("processes and output")
     r.add_argument("--host", default="127.0.0.1")

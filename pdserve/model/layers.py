@@ -21,6 +21,39 @@ from pdserve.model import triton_linear, triton_norm
 SMALL_BATCH_TRITON_LINEAR = os.environ.get("PDSERVE_SMALL_BATCH_TRITON_LINEAR", "1") == "1"
 
 
+# On CPU in float32 the large linear layers run through oneDNN (the kernel behind torch.compile's CPU
+# linear), not ATen's MKL path: measured on the 2-core AMD machine with 2 threads (docs/benchmarks.md,
+# issue 15), the tied LM head [49,152 x 576] took 47-48 ms instead of 108-127 at 64 rows and 9 instead of
+# 15 at one row, gate_up [3,072 x 576] 0.16 instead of 0.24 ms at one row and 2.1-3.4 instead of 2.8-3.7
+# at 64. The small projections gained nothing (and lost ~30 us at one row), so they stay on F.linear. The
+# choice goes by the weight alone, never by the batch: a request's numbers must not depend on how many
+# others share its step (P/D output equals colocated output). PDSERVE_CPU_ONEDNN_LINEAR=0: off.
+CPU_ONEDNN_LINEAR = os.environ.get("PDSERVE_CPU_ONEDNN_LINEAR", "1") == "1"
+ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 20
+
+
+@functools.cache
+def _onednn_linear_works() -> bool:
+    try:
+        x, w = torch.ones(2, 3), torch.ones(4, 3)
+        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w))
+    except (AttributeError, RuntimeError):   # a torch built without oneDNN, or an op renamed
+        return False
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b), on CPU through oneDNN where that measured faster (above)."""
+    if (CPU_ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.shape[0] > 0 and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS and weight.is_contiguous()
+            and _onednn_linear_works()):
+        return _onednn(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _onednn(*args):
+    return torch.ops.mkldnn._linear_pointwise(*args)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). W: [out_features, in_features], the HF layout, so checkpoints copy in as is.
 
@@ -45,7 +78,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_triton(x):
             return triton_linear.linear_triton(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):

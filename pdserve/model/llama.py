@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pdserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv
-from pdserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from pdserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, linear, silu_and_mul
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -161,7 +161,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (any dtype/device) into the parameters, filling the fused ones by rows.

@@ -43,6 +43,14 @@ def allocate_kv_cache(info: ModelInfo, cache: CacheConfig, dtype: torch.dtype,
     if num_blocks < 1:
         if device.type == "cuda" and not cache.kv_cache_memory:
             free, total = torch.cuda.mem_get_info(device)
+            share = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_reserved(device)
+            if free < share:   # the GPU is full of other processes: this fraction is not what is short
+                raise ValueError(
+                    f"the GPU has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB (other processes hold "
+                    f"the rest), less than the {GPU_ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB kept for "
+                    f"activations plus one KV block of {per_block} bytes: lower the other instances' "
+                    f"gpu_memory_utilization (the fractions of instances sharing a GPU must add up to at "
+                    f"most about 0.9)")
             raise ValueError(
                 f"gpu_memory_utilization {cache.gpu_memory_utilization:g} leaves no room for one KV block of "
                 f"{per_block} bytes: of the GPU's {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free) this "

@@ -10,6 +10,26 @@ from pdserve import cli
 from pdserve.cluster import instance_command
 
 
+def fake_children(monkeypatch) -> list:
+    """`up`'s children replaced by records of (command, environment); it stops at the health wait."""
+    from pdserve import cluster
+    started = []
+
+    class FakeChildren:
+        def start(self, cmd, *, name=None, env=None, stdout=None, stderr=None):
+            started.append((list(cmd), dict(env or {})))
+            return types.SimpleNamespace(pid=len(started))
+
+        def wait_healthy(self, urls, timeout):
+            raise RuntimeError("stop here")
+
+        def stop(self, timeout=0):
+            pass
+
+    monkeypatch.setattr(cluster, "ChildProcesses", FakeChildren)
+    return started
+
+
 def test_role_flags_come_last_so_they_win():
     cmd = instance_command("consumer", 0, 8002, model="default", host="127.0.0.1",
                            serve_args=["--max-num-seqs", "256"], role_args=["--max-num-seqs", "512"],
@@ -60,20 +80,7 @@ def test_keys_come_from_the_environment(monkeypatch):
 
 def test_up_hands_keys_to_children_through_the_environment_only(monkeypatch):
     from pdserve import cluster
-    started = []
-
-    class FakeChildren:
-        def start(self, cmd, *, name=None, env=None, stdout=None, stderr=None):
-            started.append((list(cmd), dict(env or {})))
-            return types.SimpleNamespace(pid=len(started))
-
-        def wait_healthy(self, urls, timeout):
-            raise RuntimeError("stop here")
-
-        def stop(self, timeout=0):
-            pass
-
-    monkeypatch.setattr(cluster, "ChildProcesses", FakeChildren)
+    started = fake_children(monkeypatch)
     monkeypatch.delenv("PDSERVE_ROUTER_KEY", raising=False)
     assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
                                serve_args=[], kv_transfer_config=None, device="cpu", api_key="client-key") == 1
@@ -180,3 +187,16 @@ def test_an_engine_uses_one_thread_per_allowed_core_unless_told(monkeypatch):
         assert set_num_threads(1) == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_instances_sharing_a_gpu_each_get_their_part_of_its_memory(monkeypatch):
+    """Three instances on two GPUs: the two on GPU 0 get 0.45 each (before, each asked for the default 0.9
+    and the second found no room), the one alone on GPU 1 keeps serve's default; a role's own flag wins."""
+    from pdserve import cluster
+    started = fake_children(monkeypatch)
+    assert cluster.run_cluster(model="default", num_prefill=2, num_decode=1, host="127.0.0.1", port=9000,
+                               serve_args=[], kv_transfer_config=None, device="cuda", gpus=[0, 1],
+                               decode_args=["--gpu-memory-utilization", "0.3"]) == 1
+    parsed = [(env["CUDA_VISIBLE_DEVICES"], cli.build_parser().parse_args(cmd[3:])) for cmd, env in started]
+    assert [(gpu, args.kv_role, args.gpu_memory_utilization) for gpu, args in parsed] == [
+        ("0", "producer", 0.45), ("1", "producer", 0.9), ("0", "consumer", 0.3)]

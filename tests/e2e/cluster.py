@@ -26,19 +26,35 @@ class Process:
 
     def __init__(self, args: list[str], name: str, env: dict[str, str] | None = None,
                  log_dir: str = "/tmp", port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.name, self.args, self.extra_env, self.log_dir = name, args, env, log_dir
-        self.log = open(os.path.join(log_dir, f"pdserve-{name}-{self.port}.log"), "a")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.port_is_ours = port is None   # a free port we picked: another may take it before the bind
+        self.rebinds = 0
+        self._launch(port or free_port())
+
+    def _launch(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(self.log_dir, f"pdserve-{self.name}-{self.port}.log"), "a")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.extra_env or {}))
         self.router_key = env.get("PDSERVE_ROUTER_KEY")   # the test plays the router: it sends the key
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args, "--port", str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *self.args, "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def _lost_its_port(self) -> bool:
+        """Exited because the port it was given had been taken between free_port() and its bind (on a
+        loaded machine another test's server or a NIXL agent can take it): the test's race, not the server's."""
+        with open(self.log.name, errors="replace") as f:
+            return self.port_is_ours and "address already in use" in f.read()[-4000:]
 
     def wait_healthy(self, timeout: float = 240) -> "Process":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self.rebinds < 3 and self._lost_its_port():
+                    self.rebinds += 1
+                    self.log.close()
+                    self._launch(free_port())
+                    continue
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:

@@ -145,16 +145,16 @@ def greedy(server: Process, prompt, max_tokens: int = 12) -> str:
 
 def prefill_params(prefill: Process, prompt) -> dict:
     """Plays the router's first hop: P computes the prompt and holds its blocks for a D."""
-    held = metric(prefill, "num_blocks_held_for_transfer")
+    computed = metric(prefill, "num_prompt_tokens_computed_total")
     status, answer = prefill.post("/v1/completions", body_of(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
     assert status == 200, answer
-    params = answer["kv_transfer_params"]
     # /metrics is a snapshot the engine pushes every 100 ms: a P frozen before its next push would,
     # once thawed, still show itself idle and a wait for P's idleness would end before it began (seen
-    # on the GPU machine, where the answer comes back within that push's period)
-    assert wait_until(lambda: metric(prefill, "num_blocks_held_for_transfer") >= held + len(params["remote_block_ids"]),
-                      timeout=5, interval=0.02)
-    return params
+    # on the GPU machine, where the answer comes back within that push's period). The engine's counter
+    # of prompt tokens computed only grows: once it shows this prefill, the snapshot holds its grant.
+    assert wait_until(lambda: metric(prefill, "num_prompt_tokens_computed_total") > computed, timeout=5,
+                      interval=0.02)
+    return answer["kv_transfer_params"]
 
 
 IDLE = {"num_requests_running": 0, "num_requests_waiting": 0, "num_requests_waiting_for_remote_kvs": 0,
@@ -292,7 +292,8 @@ def test_p_killed_before_d_reads(cluster):
                            body_of(prompts[1], kv_transfer_params=params[1]), True)
         status, data = fail.finish(BOUND)
         record("P killed before D reads, fail", time.monotonic() - start)
-        assert status == 500 and b"KV load" in data, data
+        # (a clean error either way: D's connection to P cached by earlier tests, or made anew and refused)
+        assert status == 500 and (b"KV load" in data or b"handshake with remote engine" in data), data
         status, data = recompute.finish(BOUND)
         record("P killed before D reads, recompute", time.monotonic() - start)
         assert status == 200 and json.loads(data)["choices"][0]["text"] == want, data
@@ -451,7 +452,8 @@ def test_p_killed_with_requests_in_every_state(cluster):
     want = [colocated(body) for body in bodies[:2]]
     # The six whose prefill hop fails are then computed from scratch by the Ds: that work is not the
     # fault's answer time. It is bounded by what the colocated instance takes for the same six at once
-    # (on CPU about 4-8 s with one thread; the two Ds share it out, so this is generous).
+    # (on CPU 15-16 s with one thread; the two Ds share it out, so this is generous. The router's own
+    # reaction is not bounded apart: the Ds' /metrics snapshot goes stale for the whole of such a step).
     start = time.monotonic()
     with ThreadPoolExecutor(6) as pool:
         want += list(pool.map(colocated, bodies[2:]))
@@ -464,6 +466,8 @@ def test_p_killed_with_requests_in_every_state(cluster):
                 for i, body in enumerate(bodies[2:])]
     prefill = cluster["prefill"]
     assert wait_until(lambda: metric(prefill, "num_requests_waiting") >= 2, timeout=20, interval=0.05)
+    decodes = (cluster["decode"], cluster["decode_rc"])
+    assert all(metric(d, "num_requests_running") >= 1 for d in decodes)   # the two still decode
     start = time.monotonic()
     prefill.signal(signal.SIGKILL)
     try:

@@ -38,7 +38,7 @@ def test_instances_sharing_a_gpu_each_get_their_fraction(gpu):
     first = kv_cache_budget(cache, CUDA)
     assert first == 40 * GIB - 10 * GIB - GPU_ACTIVATION_RESERVE_BYTES
     gpu.free = 90 * GIB - first - 10 * GIB           # the second: the first's cache and its own weights are in use
-    assert kv_cache_budget(cache, CUDA) == first     # before, it got 40 - 60 - 4 GiB < 0
+    assert kv_cache_budget(cache, CUDA) == first     # before, it got 40 - 46 - 4 GiB < 0
 
 
 def test_never_more_than_is_free(gpu):
@@ -49,6 +49,12 @@ def test_never_more_than_is_free(gpu):
 def test_explicit_bytes_win_on_cuda(gpu):
     gpu.free = 1 * GIB
     assert kv_cache_budget(CacheConfig(kv_cache_memory=512 << 20), CUDA) == 512 << 20
+
+
+def test_no_room_on_a_full_gpu_names_the_other_instances(gpu):
+    gpu.own, gpu.free = 1 * GIB, 3 * GIB             # others hold 96 GiB
+    with pytest.raises(ValueError, match=r"3.0 GiB free of 100.0 GiB .* lower the other instances'"):
+        allocate_kv_cache(_Info(), CacheConfig(gpu_memory_utilization=0.5), torch.float32, CUDA)
 
 
 def test_no_room_names_the_fraction_on_cuda(gpu):
