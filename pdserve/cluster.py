@@ -119,7 +119,8 @@ RESTART_WINDOW_S = 600.0
 
 def instance_command(role: str, index: int, port: int, *, model: str, host: str, serve_args: Sequence[str],
                      role_args: Sequence[str], kv_connector: str, kv_transfer_config: str | None,
-                     cores: Sequence[int] | None, num_threads: int | None = None) -> list[str]:
+                     cores: Sequence[int] | None, num_threads: int | None = None,
+                     gpu_memory_utilization: float | None = None) -> list[str]:
     """`pdserve serve` for one instance: the shared flags, then the role's own (later flags win, so
     --prefill-args / --decode-args override what every instance gets). role: producer, consumer or
     colocated (no KV connector: it prefills and decodes its requests itself)."""
@@ -133,6 +134,8 @@ def instance_command(role: str, index: int, port: int, *, model: str, host: str,
         cmd += ["--cpu-cores", ",".join(map(str, cores)), "--num-threads", str(len(cores))]
     elif num_threads:
         cmd += ["--num-threads", str(num_threads)]
+    if gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", f"{gpu_memory_utilization:.3f}"]
     return cmd + list(role_args)
 
 
@@ -223,16 +226,17 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
     try:
         for n, (role, i) in enumerate(instances):
             inst_port = port + 1 + n
-            cmd = instance_command(role, i, inst_port, model=model, host=host, serve_args=serve_args,
-                                   role_args=role_args[role], kv_connector=kv_connector,
-                                   kv_transfer_config=kv_transfer_config, cores=cores[n], num_threads=threads)
             env = dict(instance_env)
+            fraction = None
             if cuda_devices:   # one GPU each, round-robin when there are more instances than GPUs
                 env["CUDA_VISIBLE_DEVICES"] = str(cuda_devices[n % len(cuda_devices)])
                 sharing = len(range(n % len(cuda_devices), len(instances), len(cuda_devices)))
-                if sharing > 1:   # each its part of the default fraction; explicit flags (later) win
-                    cmd[cmd.index("--engine-id"):cmd.index("--engine-id")] = [
-                        "--gpu-memory-utilization", f"{GPU_MEMORY_FRACTION / sharing:.3f}"]
+                if sharing > 1:   # each its part of the default fraction; a role's own flag (later) wins
+                    fraction = GPU_MEMORY_FRACTION / sharing
+            cmd = instance_command(role, i, inst_port, model=model, host=host, serve_args=serve_args,
+                                   role_args=role_args[role], kv_connector=kv_connector,
+                                   kv_transfer_config=kv_transfer_config, cores=cores[n], num_threads=threads,
+                                   gpu_memory_utilization=fraction)
             name = f"{ROLE_NAMES[role]}-{i}"
             proc = children.start(cmd, name=name, env=env)
             commands[proc.pid] = (name, cmd, env)

@@ -29,10 +29,15 @@ def kv_cache_budget(cache: CacheConfig, device: torch.device) -> int:
     if cache.kv_cache_memory:
         return cache.kv_cache_memory
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        share = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_reserved(device)
+        share, free, _ = _cuda_share(cache, device)
         return min(share, free) - GPU_ACTIVATION_RESERVE_BYTES
     return DEFAULT_CPU_KV_CACHE_BYTES
+
+
+def _cuda_share(cache: CacheConfig, device: torch.device) -> tuple[int, int, int]:
+    """(this instance's share less what it already holds, bytes free on the GPU, the GPU's bytes)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * cache.gpu_memory_utilization) - torch.cuda.memory_reserved(device), free, total
 
 
 def allocate_kv_cache(info: ModelInfo, cache: CacheConfig, dtype: torch.dtype,
@@ -42,8 +47,7 @@ def allocate_kv_cache(info: ModelInfo, cache: CacheConfig, dtype: torch.dtype,
         num_blocks = kv_cache_budget(cache, device) // per_block
     if num_blocks < 1:
         if device.type == "cuda" and not cache.kv_cache_memory:
-            free, total = torch.cuda.mem_get_info(device)
-            share = int(total * cache.gpu_memory_utilization) - torch.cuda.memory_reserved(device)
+            share, free, total = _cuda_share(cache, device)
             if free < share:   # the GPU is full of other processes: this fraction is not what is short
                 raise ValueError(
                     f"the GPU has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB (other processes hold "
