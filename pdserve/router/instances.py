@@ -34,6 +34,7 @@ MIN_PREFILL_TOKENS = 32         # ... and with fewer prompt tokens, about schedu
 MIN_DECODE_STEPS = 2.0
 MIN_TRANSFER_DELTA_S = 0.005
 MIN_SHARE_OF_BUSY = 0.25        # a kind of work that took less of the interval cannot be timed by subtraction
+MIN_BATCH_VARIANCE = 0.25       # batches that varied less (std < 0.5 sequences) cannot give a step's slope
 
 
 class MalformedReport(ValueError):
@@ -109,6 +110,43 @@ COUNTERS = ("num_prompt_tokens_computed_total", "num_output_tokens_total", "busy
             "kv_transfer_bytes_total", "kv_transfer_seconds_total")
 
 
+class StepFit:
+    """A decode step's time as an affine function of the running batch, fitted online to (mean batch, step
+    time) pairs of poll intervals by EWMA moments: step(n) = fixed + per_sequence × n. Each sequence adds its
+    KV reads and its share of the batch's arithmetic; the fixed part is the weights' read. Without the slope
+    every D with the same step time looks the same however many streams it runs, and the cost policy piles
+    every request onto whichever D measured a hair faster.
+
+    Until the batches have varied enough to show a slope, the fixed part is taken as one sequence's share
+    (step(n) ∝ n + 1): middle-of-the-road between a GPU's weight-bound step and a CPU's, and enough to
+    spread equal Ds. The slope is clamped so that neither part is negative."""
+    __slots__ = ("n", "mean_b", "mean_s", "mean_bb", "mean_bs")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean_b = self.mean_s = self.mean_bb = self.mean_bs = 0.0
+
+    def add(self, batch: float, step_s: float) -> None:
+        if self.n == 0:
+            self.mean_b, self.mean_s, self.mean_bb, self.mean_bs = batch, step_s, batch * batch, batch * step_s
+        else:
+            a = EWMA_ALPHA
+            self.mean_b += a * (batch - self.mean_b)
+            self.mean_s += a * (step_s - self.mean_s)
+            self.mean_bb += a * (batch * batch - self.mean_bb)
+            self.mean_bs += a * (batch * step_s - self.mean_bs)
+        self.n += 1
+
+    def at(self, batch: int, step_s: float) -> float:
+        """step_s: the EWMA step time at the fit's mean batch (the default step at batch 1 until measured)."""
+        mean_b = self.mean_b if self.n else 1.0
+        slope = step_s / (mean_b + 1.0)
+        variance = self.mean_bb - self.mean_b * self.mean_b
+        if self.n >= 2 and variance >= MIN_BATCH_VARIANCE:
+            slope = min(max(0.0, (self.mean_bs - self.mean_b * self.mean_s) / variance), step_s / mean_b)
+        return max(0.0, step_s + slope * (max(1, batch) - mean_b))
+
+
 class Ticket:
     """One hop's share of an instance, from `Instance.begin` to `Instance.end`."""
     __slots__ = ("num_prompt_tokens", "num_blocks", "generation", "prompt_open", "open")
@@ -137,6 +175,7 @@ class Instance:
         self.num_reports = self.num_restarts = self.num_ejections = 0
         # The router's own accounting.
         self.own_in_flight = 0
+        self.num_sent = 0                   # hops begun, ever (GET /cluster: how the policy spread them)
         self.own_prompt_tokens = 0          # of requests whose prompt is not computed yet
         self._blocks_since_report = 0       # blocks the router sent since the last report (it cannot see them)
         self._generation = 0                # report count: tells a ticket begun before the last report
@@ -144,6 +183,7 @@ class Instance:
         # Learned rates; None until measured.
         self._prefill_tokens_per_s: float | None = None
         self._decode_step_s: float | None = None
+        self._step_fit = StepFit()
         self._transfer_bytes_per_s: float | None = None
 
     def __repr__(self) -> str:
@@ -218,6 +258,7 @@ class Instance:
         self.num_restarts += 1
         self.report = self.report_time = None
         self._prefill_tokens_per_s = self._decode_step_s = self._transfer_bytes_per_s = None
+        self._step_fit = StepFit()
         self._blocks_since_report = 0
         self._generation += 1
 
@@ -252,6 +293,7 @@ class Instance:
                     self._prefill_tokens_per_s = ewma(self._prefill_tokens_per_s, d_prompt / prefill_s)
                 if steps >= MIN_DECODE_STEPS and decode_s >= MIN_SHARE_OF_BUSY * d_busy:
                     self._decode_step_s = ewma(self._decode_step_s, decode_s / steps)
+                    self._step_fit.add(batch, decode_s / steps)
         d_bytes = _delta(prev.kv_transfer_bytes_total, cur.kv_transfer_bytes_total)
         d_transfer_s = _delta(prev.kv_transfer_seconds_total, cur.kv_transfer_seconds_total)
         if d_bytes and d_transfer_s is not None and d_transfer_s >= MIN_TRANSFER_DELTA_S:
@@ -264,6 +306,7 @@ class Instance:
         reads them from a P), `num_blocks` of KV it will take."""
         ticket = Ticket(max(0, num_prompt_tokens), max(0, num_blocks), self._generation)
         self.own_in_flight += 1
+        self.num_sent += 1
         self.own_prompt_tokens += ticket.num_prompt_tokens
         self._blocks_since_report += ticket.num_blocks
         return ticket
@@ -293,6 +336,10 @@ class Instance:
     @property
     def decode_step_s(self) -> float:
         return self._decode_step_s or DEFAULT_DECODE_STEP_S
+
+    def decode_step_s_at(self, batch: int) -> float:
+        """A decode step's time with `batch` sequences running (docs/router.md, "The router's view")."""
+        return self._step_fit.at(batch, self.decode_step_s)
 
     @property
     def transfer_bytes_per_s(self) -> float:
@@ -374,7 +421,7 @@ class Instance:
         return {
             "name": self.name, "role": self.role, "state": self.state, "detail": self.detail,
             "consecutive_failures": self.consecutive_failures, "in_flight": self.num_in_flight,
-            "own_in_flight": self.own_in_flight, "running": self._reported("num_requests_running"),
+            "own_in_flight": self.own_in_flight, "sent": self.num_sent, "running": self._reported("num_requests_running"),
             "waiting": self._reported("num_requests_waiting"),
             "waiting_for_remote_kvs": self._reported("num_requests_waiting_for_remote_kvs"),
             "prefill_tokens_waiting": self.queued_prefill_tokens,

@@ -31,6 +31,7 @@ DEFAULT_PD_MIN_PROMPT_TOKENS = 0
 DEFAULT_MAX_HELD_FRACTION = 0.9
 DEFAULT_BALANCE_TOKENS = 8192      # prefix-affinity: a P may be this many queued prompt tokens above the least
 DEFAULT_BALANCE_REQUESTS = 16      # ... a D this many requests in flight above the least
+DEFAULT_AFFINITY_MIN_CACHED = 0.5  # prefix-affinity: a cached prefix under this share of the prompt is a miss
 DEFAULT_DIRECT_PREFILL_HEADROOM_S = 1.0
 
 
@@ -66,6 +67,7 @@ class RouterConfig:
     balance_tokens: int = DEFAULT_BALANCE_TOKENS
     balance_requests: int = DEFAULT_BALANCE_REQUESTS
     direct_prefill_headroom_s: float = DEFAULT_DIRECT_PREFILL_HEADROOM_S
+    affinity_min_cached: float = DEFAULT_AFFINITY_MIN_CACHED
 
     def __post_init__(self) -> None:
         if self.pd_min_prompt_tokens < 0:
@@ -74,6 +76,8 @@ class RouterConfig:
             raise ValueError(f"max_per_instance: must be >= 1, got {self.max_per_instance}")
         if not 0.0 < self.max_held_fraction <= 1.0:
             raise ValueError(f"max_held_fraction: must be in (0, 1], got {self.max_held_fraction}")
+        if not 0.0 <= self.affinity_min_cached <= 1.0:
+            raise ValueError(f"affinity_min_cached: must be in [0, 1], got {self.affinity_min_cached}")
 
 
 @dataclass(frozen=True)
@@ -112,9 +116,14 @@ def prefill_seconds(inst: Instance, uncached_tokens: int) -> float:
 
 def decode_wait_seconds(inst: Instance) -> float:
     """Until a D's first step for the request: the requests waiting for a batch slot, one step time each,
-    then the request's own step. A lower bound (a slot frees when a running request finishes, which takes
-    more than one step), but monotone in the queue and the step time, which is what ranking Ds needs."""
-    return (inst.num_queued_requests + 1) * inst.decode_step_s
+    then the request's own step, each at the batch it will run in (its requests in flight and this one, up
+    to max_num_seqs). A lower bound (a slot frees when a running request finishes, which takes more than
+    one step), but monotone in the queue, the batch and the step time, which is what ranking Ds needs; the
+    batch term is also what every stream already on that D pays per token for the new one."""
+    batch = inst.num_in_flight + 1
+    if inst.max_num_seqs:
+        batch = min(batch, inst.max_num_seqs)
+    return (inst.num_queued_requests + 1) * inst.decode_step_s_at(batch)
 
 
 def transfer_seconds(inst: Instance, uncached_tokens: int) -> float:
@@ -184,14 +193,16 @@ class LeastLoadPolicy(RoutingPolicy):
 class PrefixAffinityPolicy(RoutingPolicy):
     """The longest cached prefix (the least loaded among equals), unless that instance's load is more than
     the balance threshold above the least loaded candidate's: then least-load, so that one hot prefix
-    cannot pile every request onto one instance."""
+    cannot pile every request onto one instance. A prefix under affinity_min_cached of the prompt is a miss:
+    every chat prompt shares its template's first block, which is no reason to send them all to one place
+    (found on CPU: 3.4× round-robin's TTFT on independent chat prompts)."""
     name = "prefix-affinity"
     uses_prefix = True
 
     def choose(self, stage, candidates, choice):
         by_load = lambda inst: load(stage, inst)  # noqa: E731
         longest = max(choice.cached.get(inst.name, 0) for inst in candidates)
-        if longest == 0:
+        if longest == 0 or longest < self.config.affinity_min_cached * choice.req.num_prompt_tokens:
             return self.least(stage, candidates, choice, by_load), "miss"
         holders = [inst for inst in candidates if choice.cached.get(inst.name, 0) == longest]
         best = self.least(stage, holders, choice, by_load, commit=False)

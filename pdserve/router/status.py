@@ -6,7 +6,7 @@ import urllib.request
 from typing import Any
 
 STATUS_TIMEOUT_S = 10.0
-COLUMNS = (("instance", "name"), ("role", "role"), ("state", "state"), ("in flight", "in_flight"),
+COLUMNS = (("instance", "name"), ("role", "role"), ("state", "state"), ("sent", "sent"), ("in flight", "in_flight"),
            ("running", "running"), ("waiting", "waiting"), ("prefill tok", "prefill_tokens_waiting"),
            ("KV used", "kv_usage"), ("held", "blocks_held_for_transfer"), ("prefill tok/s", "prefill_tokens_per_s"),
            ("cached blocks", "cached_blocks"))

@@ -1,5 +1,7 @@
 """Routing decisions against fake instance states: the four policies,
 the hard caps, the PD decider's reasons, stream-recovery replacements, the accounting and the counters."""
+import dataclasses
+
 import pytest
 
 from pdserve.hashing import hash_prompt_blocks
@@ -125,6 +127,21 @@ def test_prefix_affinity_without_any_match_is_least_load():
     assert router.picks["prefill:miss"] == 1
 
 
+def test_prefix_affinity_takes_a_short_shared_prefix_for_a_miss():
+    # The bug: every chat prompt shares its template's first block, and prefix-affinity sent them all to the
+    # one instance holding it until its queue was 8,192 tokens above the others.
+    index = PrefixIndex()
+    holds(index, "prefill-1", 2)                       # 32 of 4,096 tokens
+    router = Router([inst("prefill-0"), inst("prefill-1", num_prefill_tokens_waiting=4000), inst("decode-0")],
+                    policy="prefix-affinity", index=index)
+    assert router.route(req()).prefill.name == "prefill-0"
+    assert router.picks["prefill:miss"] == 1
+    holds(index, "prefill-1", 130)                     # more than half of it: a hit, queue and all
+    assert router.route(req()).prefill.name == "prefill-1"
+    with pytest.raises(ValueError, match="affinity_min_cached"):
+        RouterConfig(affinity_min_cached=1.5)
+
+
 def test_the_routers_predictions_steer_the_next_request_to_the_same_instance():
     router = Router([inst("prefill-0"), inst("prefill-1"), inst("prefill-2"), inst("decode-0"), inst("decode-1")],
                     policy="prefix-affinity")
@@ -188,8 +205,59 @@ def test_cost_estimates_are_seconds_of_time_to_first_token():
     p = inst("prefill-0", num_prefill_tokens_waiting=4000)
     d = inst("decode-0", num_requests_waiting=3, kv_bytes_per_token=1000)
     assert estimated_seconds(PREFILL, p, policy_choice) == pytest.approx((4000 + 4096) / 4000)
-    assert estimated_seconds(DECODE, d, policy_choice) == pytest.approx(4 * 0.025 + 4096 * 1000 / 2e9)
+    # 3 waiting + its own step, each in a batch of 4 (0.025 s at 1, + half of that per extra sequence until
+    # measured), then its 4,096 tokens' KV at 2 GB/s
+    assert estimated_seconds(DECODE, d, policy_choice) == pytest.approx(4 * 0.0625 + 4096 * 1000 / 2e9)
     assert isinstance(Router([inst("decode-0")], policy="cost").policy, CostPolicy)
+
+
+def learned_decode(name, batches_and_steps, running_now=None):
+    """A D whose polls timed decode steps at these (running batch, step seconds), then a poll that finds
+    running_now running (else the last batch)."""
+    d = inst(name, num_output_tokens_total=0, busy_seconds_total=0.0)
+    out = busy = 0.0
+    now = 0.0
+    for batch, step in batches_and_steps:
+        # a poll that sees the new batch before it steps (an interval with no work teaches nothing), then
+        # 10 steps of it: the interval's batch is the mean of the two polls around it
+        for num_steps in (0, 10):
+            out, busy, now = out + num_steps * batch, busy + num_steps * step, now + 0.1
+            assert d.update({"boot_id": "b", "block_size": BLOCK, "num_blocks": 100000, "num_free_blocks": 100000,
+                             "max_num_seqs": 64, "num_requests_running": batch, "num_output_tokens_total": int(out),
+                             "busy_seconds_total": busy}, now=now)
+    if running_now is not None:
+        assert d.update({**dataclasses.asdict(d.report), "num_requests_running": running_now}, now=now + 0.1)
+    return d
+
+
+def test_cost_spreads_over_equal_decodes_by_their_running_batch():
+    # The bug: a D's part was its queue × its step time, blind to the streams it runs, so two equal Ds whose
+    # step times differed by noise got every request on the faster-measured one.
+    busy = learned_decode("decode-0", [(8, 0.070)] * 3, running_now=8)
+    idle = learned_decode("decode-1", [(8, 0.075)] * 3, running_now=0)
+    assert busy.decode_step_s < idle.decode_step_s
+    router = Router([inst("prefill-0"), busy, idle], policy="cost")
+    assert router.route(req()).decode is idle
+    # and with none running anywhere, unrelated prompts alternate as the router's own count of them grows
+    router = Router([inst("prefill-0"), inst("decode-0"), inst("decode-1")], policy="cost")
+    picks = []
+    for i in range(6):
+        prompt = RouteRequest.from_token_ids([10000 * (i + 1) + t for t in range(256)], 16, BLOCK)
+        route = router.route(prompt)
+        router.begin(route.decode, prompt, 0.0, computes_prompt=False)
+        picks.append(route.decode.name)
+    assert picks.count("decode-0") == picks.count("decode-1") == 3
+
+
+def test_the_step_time_of_a_decode_grows_with_its_batch_as_measured():
+    d = learned_decode("decode-0", [(2, 0.020)] * 3 + [(10, 0.060)] * 3 + [(2, 0.020)] * 3)
+    assert d.decode_step_s_at(10) > d.decode_step_s_at(2) > 0
+    slope = (d.decode_step_s_at(10) - d.decode_step_s_at(2)) / 8
+    assert slope == pytest.approx(0.005)                # 40 ms over 8 sequences
+    flat = learned_decode("decode-1", [(2, 0.010)] * 3 + [(10, 0.010)] * 3 + [(2, 0.010)] * 3)
+    assert flat.decode_step_s_at(20) == pytest.approx(flat.decode_step_s_at(1))   # weight-bound
+    noisy = learned_decode("decode-2", [(2, 0.050)] * 3 + [(10, 0.010)] * 3 + [(2, 0.050)] * 3)
+    assert noisy.decode_step_s_at(30) >= noisy.decode_step_s_at(1) >= 0    # never a negative slope
 
 
 # --- hard caps ------------------------------------------------------------------------------------------------

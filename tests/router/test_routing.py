@@ -336,7 +336,7 @@ def test_cluster_lists_every_instance_by_name_and_needs_the_api_key(harness):
     rows = [line.split() for line in lines if line.split()[0] in ("prefill-0", "prefill-1", "decode-0")]
     assert [row[:3] for row in rows] == [["prefill-0", "prefill", "healthy"], ["prefill-1", "prefill", "ejected"],
                                          ["decode-0", "decode", "healthy"]]
-    assert rows[2][3:6] == ["4", "3", "1"]         # in flight, running, waiting
+    assert rows[2][4:7] == ["4", "3", "1"]         # in flight, running, waiting (after "sent")
     assert "prefill-1: is unreachable" in lines and "decisions: " + ", ".join(
         f"{r} {1 if r == 'disaggregated' else 0}" for r in sorted(REASONS)) in lines
     assert "127.0.0.1" not in text
