@@ -66,10 +66,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefill/decode disaggregation")
-    g.add_argument("--kv-connector", default=None, choices=["nixl", "cuda_ipc", "loopback"],
-                   help="enable P/D handoff through this connector: nixl (any host, DRAM or VRAM), "
-                        "cuda_ipc (processes on one host: CUDA IPC, or shared memory on CPU), "
-                        "loopback (engines in one process, for tests)")
+    g.add_argument("--kv-connector", default=None, choices=["nixl", "nixl-push", "cuda_ipc", "loopback"],
+                   help="enable P/D handoff through this connector: nixl (D reads P's blocks; any host, DRAM or "
+                        "VRAM), nixl-push (the router sends the request to P and D at once and P writes into "
+                        "blocks D announced), cuda_ipc (processes on one host: CUDA IPC, or shared memory on "
+                        "CPU), loopback (engines in one process, for tests)")
     g.add_argument("--kv-role", default="both", choices=KV_ROLES,
                    help="producer: a prefill instance (P); consumer: a decode instance (D)")
     g.add_argument("--engine-id", default=None, help="this instance's id in kv_transfer_params")
@@ -138,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode (consumer) instances; on CPU the cores are split evenly among all instances, "
                          "on CUDA each instance gets one GPU")
     _add_model_args(up)
-    up.add_argument("--kv-connector", default="nixl", choices=["nixl", "cuda_ipc"],
-                    help="how D pulls P's KV blocks")
+    up.add_argument("--kv-connector", default="nixl", choices=["nixl", "nixl-push", "cuda_ipc"],
+                    help="how the KV moves: nixl and cuda_ipc pull (D reads P's blocks after P's answer), "
+                         "nixl-push pushes (P writes into D's blocks as soon as its prefill is done)")
     up.add_argument("--kv-transfer-config", default=None, help="JSON passed to every instance")
     up.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step of each instance")
     up.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once, per instance")

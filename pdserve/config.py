@@ -66,6 +66,8 @@ class SchedulerConfig:
 
 KV_ROLES = ("producer", "consumer", "both")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+# Connectors whose requests the router sends to P and D at once (kv_transfer/push.py); the rest pull.
+PUSH_KV_CONNECTORS = ("nixl-push",)
 
 
 @dataclass

@@ -79,6 +79,7 @@ def run_engine_process(config: EngineConfig, in_conn, out_conn) -> None:
         return
     # The first stats ride with "ready": a load report is whole from the start.
     out_conn.send(("ready", {"max_model_len": core.max_model_len, "engine_id": core.engine_id,
+                             "kv_side_channel": core.kv_side_channel(),
                              "vocab_size": core.runner.info.vocab_size,
                              "num_blocks": core.runner.num_blocks, "stats": core.stats()}))
     broken = None
@@ -244,6 +245,7 @@ class AsyncEngine:
         self.max_model_len = 0
         self.vocab_size: int | None = None
         self.engine_id: str | None = None
+        self.kv_side_channel: dict[str, Any] | None = None  # {host, port, boot_id} of the connector's side channel
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats: dict[str, Any] = {}
         # A router that sees another boot_id forgets what it knew of this instance's cache.
@@ -279,6 +281,7 @@ class AsyncEngine:
         self.max_model_len = payload["max_model_len"]
         self.vocab_size = payload["vocab_size"]
         self.engine_id = payload["engine_id"]
+        self.kv_side_channel = payload.get("kv_side_channel")
         self._stats = payload.get("stats") or {}
         threading.Thread(target=self._receive_loop, daemon=True, name="pdserve-engine-out").start()
         threading.Thread(target=self._send_loop, daemon=True, name="pdserve-engine-in").start()
@@ -393,6 +396,9 @@ class AsyncEngine:
         healthy, health = self.health()
         report: dict[str, Any] = {"boot_id": self.boot_id, "kv_role": self.kv_role, "healthy": healthy,
                                   "health": health}
+        if self.kv_side_channel is not None:  # the push handoff: the router hands P's to D
+            report["kv_connector"] = {"name": self.config.kv_transfer.kv_connector, "engine_id": self.engine_id,
+                                      **self.kv_side_channel}
         report.update((name, self._stats.get(name)) for name in LOAD_REPORT_STATS)
         report["kv_events"] = self._kv_events.report(events_after)
         return report

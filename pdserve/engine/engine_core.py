@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -119,6 +120,15 @@ class EngineCore:
         self.num_output_tokens = 0
         self.busy_seconds = 0.0
 
+    def kv_side_channel(self) -> dict[str, Any] | None:
+        """Where peers reach this instance's connector ({host, port, boot_id}); None without one."""
+        worker = self.connector_worker
+        port = getattr(worker, "side_channel_port", None)
+        if port is None:
+            return None
+        return {"host": self.config.kv_transfer.side_channel_host, "port": port,
+                "boot_id": getattr(worker, "boot_id", None)}
+
     @staticmethod
     def resolve_async_scheduling(asked: bool | None, device_type: str) -> bool:
         """On CPU the model runs on the host threads that would do the overlapped work: nothing to gain."""
@@ -146,7 +156,9 @@ class EngineCore:
         # Again here, not only at construction: params changed since (or built without it, and sent
         # from another process) must fail this request, not the step that samples for it.
         params.validate()
-        KVTransferParams.from_dict(kv_transfer_params)  # malformed params: ValueError here, not in the loop
+        parsed = KVTransferParams.from_dict(kv_transfer_params)  # malformed: ValueError here, not in the loop
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.check_params(parsed)
         if resumed and kv_transfer_params:
             raise ValueError("resume: a resumed request computes its context here, without kv_transfer_params")
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,

@@ -117,6 +117,10 @@ class KVConnectorScheduler(ABC):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """(delay_free, kv_transfer_params for the response)."""
 
+    def check_params(self, params: KVTransferParams | None) -> None:
+        """At admission: ValueError for kv_transfer_params this connector cannot act on (a 400 for the
+        request, never an error inside a step)."""
+
     def request_aborted_while_loading(self, request: "Request") -> None:
         """The request was aborted in WAITING_FOR_REMOTE_KVS: cancel what has not started.
         Its blocks stay allocated until the worker half reports it in finished_recving."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pdserve.config import KVTransferConfig
+from pdserve.config import PUSH_KV_CONNECTORS, KVTransferConfig
 from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.pull import PullConnectorScheduler
+from pdserve.kv_transfer.push import PushConnectorScheduler
 
-CONNECTORS = ("loopback", "nixl", "cuda_ipc")
+CONNECTORS = ("loopback", "nixl", "cuda_ipc", "nixl-push")
+PUSH_CONNECTORS = PUSH_KV_CONNECTORS
 
 
 def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str, Any]
@@ -29,6 +31,11 @@ def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str
         from pdserve.kv_transfer.cuda_ipc import CudaIpcConnectorWorker
         worker = CudaIpcConnectorWorker(config, engine_id, compat)
         host, port = config.side_channel_host, worker.side_channel_port
+    elif config.kv_connector == "nixl-push":
+        from pdserve.kv_transfer.nixl import NixlPushConnectorWorker
+        push_worker = NixlPushConnectorWorker(config, engine_id, compat)
+        return PushConnectorScheduler(engine_id, block_size, is_producer=config.is_producer,
+                                      is_consumer=config.is_consumer), push_worker
     else:
         raise ValueError(f"kv_connector: expected one of {CONNECTORS}, got {config.kv_connector!r}")
     scheduler = PullConnectorScheduler(engine_id, host, port, block_size, is_producer=config.is_producer,

@@ -1,13 +1,17 @@
-"""The worker half of the pull handoff over NIXL: D READs P's KV blocks, P holds them under a lease.
+"""The worker halves over NIXL: pull (`nixl`: D READs P's KV blocks, P holds them under a lease) and push
+(`nixl-push`: P WRITEs into blocks D announced).
 
-The scheduler half is PullConnectorScheduler (pull.py); the lifecycle both roles follow (leases,
-handshakes, claims, heartbeats, deadlines, cancels, failures) is lifecycle.py's, reached through
-PullConnectorWorker (pull_worker_common.py). This module fills its transport hooks with NIXL calls:
+The scheduler halves are pull.py's and push.py's; the lifecycles (leases, handshakes, claims or announces,
+heartbeats, deadlines, cancels, failures) are lifecycle.py's and push_lifecycle.py's, reached through
+PullConnectorWorker (pull_worker_common.py) and PushConnectorWorker (push_worker.py). NixlTransport fills
+their transport hooks with NIXL calls:
 
   register: the KV cache is registered with the agent; the handshake carries the agent's metadata
   connect:  D adds P's agent (engine thread: the agent runs without locks)
   post:     one READ per request, one descriptor per coalesced run, notif_msg = P's request id, so
-            P learns the READ is done from its own agent (get_new_notifs), not from the side channel
+            P learns the READ is done from its own agent (get_new_notifs), not from the side channel;
+            push: one WRITE per transfer, notif_msg = the transfer id, which D's agent receives once the
+            data is in its blocks
   check:    check_xfer_state, polled from get_finished; never blocks; the binding raising (a peer
             gone mid-READ) is that READ's "ERR", never an exception out of the engine loop
   release:  release_xfer_handle; for an active READ (past its deadline) NIXL tries to abort it and
@@ -26,6 +30,7 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.pull_worker_common import Load, PullConnectorWorker, Region, RemoteEngine
+from pdserve.kv_transfer.push_worker import PushConnectorWorker
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -49,10 +54,12 @@ def _run_descs(region: Region, first_block_ids: list[int], num_blocks: list[int]
     return rows
 
 
-class NixlConnectorWorker(PullConnectorWorker):
+class NixlTransport:
+    """The NIXL hooks, for either direction (a mixin before the direction's worker class)."""
+
     def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int]) -> None:
         if nixl_agent is None:
-            raise ImportError("kv_connector nixl: neither nixl nor nixl_cu13 is installed")
+            raise ImportError(f"kv_connector {config.kv_connector}: neither nixl nor nixl_cu13 is installed")
         # enable_prog_thread: a NIXL thread progresses UCX (a busy-polling core); off, progress
         # happens inside our calls, i.e. once per engine step.
         self.agent = nixl_agent(engine_id, nixl_agent_config(
@@ -68,13 +75,14 @@ class NixlConnectorWorker(PullConnectorWorker):
         self.agent.add_remote_agent(remote.blob)
         remote.conn = remote.reply["agent_name"]
 
-    def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
+    def _xfer(self, op: str, remote: RemoteEngine, runs: list[tuple[int, int, int]], notif: str) -> tuple[Any, str]:
+        """One READ or WRITE of the runs (local start, remote start, blocks); (handle, state)."""
         local_ids, remote_ids, num_blocks = zip(*runs)
         local = self._region
         handle = self.agent.initialize_xfer(
-            "READ", self.agent.get_xfer_descs(_run_descs(local, local_ids, num_blocks), local.mem_type),
+            op, self.agent.get_xfer_descs(_run_descs(local, local_ids, num_blocks), local.mem_type),
             self.agent.get_xfer_descs(_run_descs(remote.region, remote_ids, num_blocks), remote.region.mem_type),
-            remote.conn, load.spec.remote_request_id.encode())  # notif: P's request id
+            remote.conn, notif.encode())
         try:
             return handle, self.agent.transfer(handle)
         except Exception:
@@ -84,7 +92,7 @@ class NixlConnectorWorker(PullConnectorWorker):
     def _check(self, handle: Any) -> str:
         try:
             return self.agent.check_xfer_state(handle)
-        except Exception as e:  # the binding raises for a failed transfer (e.g. P died mid-READ)
+        except Exception as e:  # the binding raises for a failed transfer (e.g. the peer died mid-transfer)
             logger.warning("NIXL transfer status: %s: %s", type(e).__name__, e)
             return "ERR"
 
@@ -102,3 +110,13 @@ class NixlConnectorWorker(PullConnectorWorker):
         if self._reg_descs is not None:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None
+
+
+class NixlConnectorWorker(NixlTransport, PullConnectorWorker):
+    def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
+        return self._xfer("READ", remote, runs, load.spec.remote_request_id)  # notif: P's request id
+
+
+class NixlPushConnectorWorker(NixlTransport, PushConnectorWorker):
+    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
+        return self._xfer("WRITE", remote, runs, transfer_id)  # notif: the transfer id, on D's agent

@@ -231,8 +231,11 @@ class PeerClient:
                 event = (self, message, on_reply, on_error, (reply, blob, sent_at))
             except Exception as e:  # every error, not only OSError: none may vanish in a Future
                 logger.warning("%s to %s:%d failed: %s: %s", message["type"], *self.address, type(e).__name__, e)
-                cause = "its side channel did not answer in time" if isinstance(e, TimeoutError) else \
-                    "its side channel failed"
+                # A refused connection is told apart: nothing listens there (the push handoff's D takes
+                # that for a P that is gone; any other failure may have reached the peer).
+                cause = ("its side channel did not answer in time" if isinstance(e, TimeoutError) else
+                         "its side channel refused the connection" if isinstance(e, ConnectionRefusedError) else
+                         "its side channel failed")
                 event = (self, message, on_error, None, (cause,))
             self._events.put(event)
         try:

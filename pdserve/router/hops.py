@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -96,11 +97,12 @@ async def post(proxy: Proxy, role: str, inst: Instance, path: str, body: dict,
 
 
 async def prefill_hop(proxy: Proxy, inst: Instance, ticket: Ticket, path: str, body: dict,
-                      headers: dict) -> dict:
+                      headers: dict, kv_transfer_params: dict | None = None) -> dict:
     """P's kv_transfer_params for this request; BackendError when P fails or answers without them. One
     attempt: the caller routes the request again (to another P, or straight to a D) on a retryable failure.
-    Ends `ticket` (the router's count of P's work) whatever happens."""
-    prefill_body = dict(body, kv_transfer_params={"do_remote_decode": True}, stream=False)
+    Ends `ticket` (the router's count of P's work) whatever happens. kv_transfer_params: what P is sent
+    (default: pull's {"do_remote_decode": true})."""
+    prefill_body = dict(body, kv_transfer_params=kv_transfer_params or {"do_remote_decode": True}, stream=False)
     prefill_body.pop("stream_options", None)
     start = time.monotonic()
     try:
@@ -119,7 +121,26 @@ async def prefill_hop(proxy: Proxy, inst: Instance, ticket: Ticket, path: str, b
     return params
 
 
+def push_params(prefill: Instance, decode: Instance) -> tuple[dict, dict, dict, dict] | None:
+    """The push handoff (kv_transfer/push.py), one transfer id for both hops: (P's kv_transfer_params, D's,
+    what releases the transfer on P, on D), or None while P's side channel is not known (not polled yet, or
+    it restarted): the caller takes that P for a failed one."""
+    side, d_side = prefill.kv_connector, decode.kv_connector
+    if side is None:
+        return None
+    transfer_id = uuid.uuid4().hex
+    d_params = {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_engine_id": side["engine_id"],
+                "remote_request_id": transfer_id, "remote_host": side["host"], "remote_port": side["port"]}
+    if side.get("boot_id") is not None:
+        d_params["remote_boot_id"] = side["boot_id"]
+    p_release = {"remote_engine_id": side["engine_id"], "remote_request_id": transfer_id}
+    d_release = {"remote_engine_id": d_side["engine_id"], "remote_request_id": transfer_id} if d_side else {}
+    return {"do_remote_decode": True, "transfer_id": transfer_id}, d_params, p_release, d_release
+
+
 def release_on_prefill(proxy: Proxy, url: str, kv_transfer_params: dict, headers: dict) -> None:
+    """Free what an instance holds for a transfer no one will complete (P's blocks no D took; with push, also
+    D's blocks for a P whose hop failed), in the background."""
     async def release() -> None:
         try:
             async with proxy.session.post(url + "/v1/kv/release", json={"kv_transfer_params": kv_transfer_params},

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pdserve.config import PUSH_KV_CONNECTORS
 from pdserve.router.prefix_index import parse_kv_events
 
 ROLES = ("prefill", "decode", "colocated")
@@ -66,6 +67,7 @@ class LoadReport:
     busy_seconds_total: float | None = None
     kv_transfer_bytes_total: int | None = None
     kv_transfer_seconds_total: float | None = None
+    kv_connector: Mapping | None = None   # {name, engine_id, host, port, boot_id}: its connector's side channel
 
     @classmethod
     def parse(cls, data: Any) -> LoadReport:
@@ -100,8 +102,15 @@ def _is_seconds(value: Any) -> bool:
             and value >= 0)
 
 
+def _is_side_channel(value: Any) -> bool:
+    return (isinstance(value, Mapping) and all(isinstance(value.get(k), str) for k in ("name", "engine_id", "host"))
+            and _is_count(value.get("port")) and 0 < value["port"] < 65536
+            and isinstance(value.get("boot_id"), (str, type(None))))
+
+
 _FIELD_CHECKS = {
     "boot_id": lambda v: isinstance(v, str), "kv_role": lambda v: isinstance(v, str),
+    "kv_connector": _is_side_channel,
     "healthy": lambda v: isinstance(v, bool), "health": lambda v: True,
     "hash_extra": lambda v: isinstance(v, str),
     "busy_seconds_total": _is_seconds, "kv_transfer_seconds_total": _is_seconds,
@@ -180,6 +189,7 @@ class Instance:
         self._blocks_since_report = 0       # blocks the router sent since the last report (it cannot see them)
         self._generation = 0                # report count: tells a ticket begun before the last report
         self.full_until = 0.0               # it answered 503 at capacity: no new hop before then
+        self.handoff = "pull"               # "push": its connector pushes (kept across a restart's empty view)
         # Learned rates; None until measured.
         self._prefill_tokens_per_s: float | None = None
         self._decode_step_s: float | None = None
@@ -247,6 +257,8 @@ class Instance:
         if previous is not None and self.report_time is not None:
             self._learn(previous, report)
         self.report, self.report_time = report, now
+        if report.kv_connector is not None:
+            self.handoff = "push" if report.kv_connector["name"] in PUSH_KV_CONNECTORS else "pull"
         self.num_reports += 1
         self._generation += 1
         self._blocks_since_report = 0
@@ -353,6 +365,16 @@ class Instance:
 
     # --- estimates for the policies -----------------------------------------------------------------------
 
+    @property
+    def kv_connector(self) -> Mapping | None:
+        """Its connector and side channel as last reported (None: not reported yet, or none)."""
+        return self._reported("kv_connector")
+
+    @property
+    def is_push(self) -> bool:
+        """A push-handoff instance (as last reported, or as the start-up check found it)."""
+        return self.handoff == "push"
+
     def _reported(self, field: str) -> int | None:
         return None if self.report is None else getattr(self.report, field)
 
@@ -419,7 +441,8 @@ class Instance:
         """For the router's GET /cluster (pdserve status)."""
         num_blocks, free = self.num_blocks, self._reported("num_free_blocks")
         return {
-            "name": self.name, "role": self.role, "state": self.state, "detail": self.detail,
+            "name": self.name, "role": self.role, "handoff": self.handoff if self.role != "colocated" else None,
+            "state": self.state, "detail": self.detail,
             "consecutive_failures": self.consecutive_failures, "in_flight": self.num_in_flight,
             "own_in_flight": self.own_in_flight, "sent": self.num_sent, "running": self._reported("num_requests_running"),
             "waiting": self._reported("num_requests_waiting"),

@@ -203,3 +203,15 @@ class Monitor:
                                    f"{last_error.get(inst.name, 'no answer')}")
             if pending:
                 await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        self.check_handoffs()
+
+    def check_handoffs(self) -> None:
+        """Every P and D must hand KV over the same way: a pull D never announces blocks to a push P, and a
+        push D waits for a WRITE no pull P makes. StartupError naming one of each."""
+        pd = [inst for inst in self.instances if inst.role in ("prefill", "decode")]
+        kinds = {inst.handoff for inst in pd}
+        if len(kinds) > 1:
+            push = next(inst for inst in pd if inst.handoff == "push")
+            pull = next(inst for inst in pd if inst.handoff == "pull")
+            raise StartupError(f"{push.url} (--{push.role}) pushes its KV (--kv-connector nixl-push) but {pull.url} "
+                               f"(--{pull.role}) pulls: every prefill and decode instance needs the same handoff")

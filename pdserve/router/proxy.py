@@ -75,7 +75,7 @@ from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, error_body
 from pdserve.router.errors import (NETWORK_ERRORS, BackendError, ClientError, describe, json_error, json_errors,
                                    public_detail)
-from pdserve.router.hops import BODY_BYTES, JSON, encode_json, prefill_hop, release_on_prefill
+from pdserve.router.hops import BODY_BYTES, JSON, encode_json, prefill_hop, push_params, release_on_prefill
 from pdserve.router.instances import Instance, Ticket
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.monitor import DEFAULT_EJECT_AFTER, DEFAULT_POLL_INTERVAL_S, Monitor, StartupError
@@ -273,6 +273,12 @@ class Proxy:
             if route.prefill is None:
                 return await final_hop(self, request, req, route.decode, body, headers, start)
             prefill = route.prefill
+            if prefill.is_push:
+                pushed = push_params(prefill, route.decode)
+                if pushed is not None:
+                    return await self.serve_pushed(request, req, route, body, headers, start, pushed)
+                failed.add(prefill.name)  # its side channel is not known yet: another P, or straight to a D
+                continue
             ticket = self.begin(prefill, req, computes_prompt=True)
             try:
                 params = await prefill_hop(self, prefill, ticket, request.path, body, headers)
@@ -289,6 +295,32 @@ class Proxy:
             return await final_hop(
                 self, request, req, route.decode, body, headers, start, kv_transfer_params=params,
                 release=lambda: release_on_prefill(self, prefill.url, params, headers))
+
+    async def serve_pushed(self, request: web.Request, req: RouteRequest, route: Route, body: dict, headers: dict,
+                           start: float, pushed: tuple[dict, dict, dict, dict]) -> web.StreamResponse:
+        """The push handoff: the prefill hop and the decode hop at once, one transfer id; P writes into D's
+        blocks as soon as its prefill is done and D never waits for P's answer. P's hop failing releases the
+        transfer on D, whose load then fails (kv_load_failure_policy; a failed D hop is recovered as any)."""
+        p_params, d_params, p_release, d_release = pushed
+        prefill, decode = route.prefill, route.decode
+        ticket = self.begin(prefill, req, computes_prompt=True)
+        task = asyncio.create_task(prefill_hop(self, prefill, ticket, request.path, body, headers, p_params))
+
+        def prefill_done(task: asyncio.Task) -> None:
+            error = None if task.cancelled() else task.exception()
+            if error is None:
+                return
+            logger.warning("request %s: push prefill on %s failed: %s", headers["X-Request-Id"], prefill.name, error)
+            if d_release:
+                release_on_prefill(self, decode.url, d_release, headers)
+        task.add_done_callback(prefill_done)
+        try:
+            return await final_hop(
+                self, request, req, decode, body, headers, start, kv_transfer_params=d_params,
+                release=lambda: release_on_prefill(self, prefill.url, p_release, headers))
+        finally:
+            if not task.done():  # the client left (or D's answer came first): P's hop is not needed
+                task.cancel()
 
     def passthrough_instance(self) -> Instance | None:
         """The next available decode or colocated instance, round-robin."""

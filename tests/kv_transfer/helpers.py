@@ -30,6 +30,8 @@ def worker_factory(connector: str):
     **config) and shuts every worker it made down afterwards."""
     if connector == "nixl":
         from pdserve.kv_transfer.nixl import NixlConnectorWorker as worker_cls
+    elif connector == "nixl-push":
+        from pdserve.kv_transfer.nixl import NixlPushConnectorWorker as worker_cls
     else:
         from pdserve.kv_transfer.cuda_ipc import CudaIpcConnectorWorker as worker_cls
     workers = []
@@ -93,7 +95,7 @@ _NOT_REQUEST_STATE = {"compat", "_handshake_fields", "peers", "clients", "_remot
 def request_state(worker) -> dict[str, int]:
     """Every non-empty per-request container of a worker half (and of its lifecycle objects)."""
     found = {}
-    for owner in (worker, getattr(worker, "loader", None), getattr(worker, "holder", None)):
+    for owner in (worker, *(getattr(worker, name, None) for name in ("loader", "holder", "pusher", "receiver"))):
         for name, value in (vars(owner) if owner is not None else {}).items():
             if isinstance(value, (dict, set, list)) and value and name not in _NOT_REQUEST_STATE:
                 found[name] = len(value)

@@ -10,7 +10,7 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.core.request import Request
-from pdserve.kv_transfer.factory import CONNECTORS, create_connector
+from pdserve.kv_transfer.factory import CONNECTORS, PUSH_CONNECTORS, create_connector
 from pdserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -19,7 +19,8 @@ COMPAT = {"model": "contract-test", "dtype": "float32", "block_size": BLOCK_SIZE
 
 
 def connectors_here() -> list[str]:
-    return list(CONNECTORS)
+    """The pull connectors (the push ones have their own contract test below)."""
+    return [name for name in CONNECTORS if name not in PUSH_CONNECTORS]
 
 
 def make_pair(name: str, **cfg):
@@ -122,6 +123,60 @@ def test_injected_failure_reports_blocks_through_the_contract(name):
         d_worker.start_load_kv(d_sched.build_connector_meta(None))
         poll([p_worker, d_worker], lambda s: "d" in s[id(d_worker)][1] and "p" in s[id(p_worker)][0])
         assert d_worker.get_block_ids_with_load_errors() == {12}
+    finally:
+        p_worker.shutdown()
+        d_worker.shutdown()
+
+
+@pytest.mark.parametrize("name", PUSH_CONNECTORS)
+def test_push_handoff_through_the_contract(name):
+    """P and D get the request at once with one transfer id; D's cache already holds the first block, so
+    D asks P for the three others only, and P writes them without either waiting for the other's answer."""
+    (p_sched, p_worker, p_kv), (d_sched, d_worker, d_kv) = make_pair(name)
+    try:
+        prompt = list(range(13))  # 4 blocks, the last one partial
+        p_req = Request("p-req", prompt, SamplingParams(max_tokens=1),
+                        kv_transfer_params={"do_remote_decode": True, "transfer_id": "t-1"})
+        d_params = {"do_remote_prefill": True, "transfer_id": "t-1", "remote_engine_id": p_sched.engine_id,
+                    "remote_request_id": "t-1", "remote_host": "127.0.0.1",
+                    "remote_port": p_worker.side_channel_port, "remote_boot_id": p_worker.boot_id}
+        d_req = Request("d-req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=d_params)
+        d_sched.request_added(d_req)
+        assert d_sched.get_num_new_matched_tokens(d_req, 4) == (9, True)
+        d_blocks = [0, 5, 6, 7]
+        d_req.num_computed_tokens = 4  # (the scheduler sets its local hit before it calls this)
+        d_sched.update_state_after_alloc(d_req, d_blocks, 9)
+        d_worker.start_load_kv(d_sched.build_connector_meta(None))  # the announce goes out
+        p_blocks = [3, 4, 9, 10]
+        for b in p_blocks:
+            p_kv[b].fill_(float(b))
+        p_sched.request_added(p_req)
+        p_req.status = p_req.status.FINISHED_LENGTH_CAPPED
+        delay_free, params = p_sched.request_finished(p_req, p_blocks)
+        assert delay_free and params["transfer_id"] == "t-1"
+        p_worker.start_load_kv(p_sched.build_connector_meta(None))
+        poll([p_worker, d_worker], lambda s: "d-req" in s[id(d_worker)][1] and "p-req" in s[id(p_worker)][0])
+        assert d_worker.get_block_ids_with_load_errors() == set()
+        assert torch.count_nonzero(d_kv[0]) == 0  # D's own cached block is not written
+        for local, remote in zip(d_blocks[1:], p_blocks[1:]):
+            assert torch.equal(d_kv[local], p_kv[remote])
+        assert p_worker.get_stats()["kv_transfer_descriptors_total"] == 2  # d 5 ← p 4 | d 6,7 ← p 9,10
+        assert p_worker.num_pending_requests() == 0 and d_worker.num_pending_requests() == 0
+    finally:
+        p_worker.shutdown()
+        d_worker.shutdown()
+
+
+@pytest.mark.parametrize("name", PUSH_CONNECTORS)
+def test_push_params_without_a_transfer_id_are_refused_at_admission(name):
+    (p_sched, p_worker, _), (d_sched, d_worker, _) = make_pair(name)
+    try:
+        from pdserve.kv_transfer.base import KVTransferParams
+        for sched, data in ((p_sched, {"do_remote_decode": True}),
+                            (d_sched, {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "x",
+                                       "remote_host": "127.0.0.1", "remote_port": 1})):
+            with pytest.raises(ValueError, match="transfer_id"):
+                sched.check_params(KVTransferParams.from_dict(data))
     finally:
         p_worker.shutdown()
         d_worker.shutdown()

@@ -99,7 +99,12 @@ class FakeBackend:
         return web.json_response(make("id-d", MODEL, "".join(PIECES), "stop", D_USAGE))
 
     def prefill(self, body: dict, is_chat: bool) -> web.Response:
-        self.check(body.get("kv_transfer_params") == {"do_remote_decode": True}, "prefill kv_transfer_params")
+        params = body.get("kv_transfer_params") or {}
+        if self.load.get("kv_connector"):  # push: one transfer id per request, nothing else
+            self.check(set(params) == {"do_remote_decode", "transfer_id"} and params["do_remote_decode"] is True,
+                       f"push prefill kv_transfer_params {params}")
+        else:
+            self.check(params == {"do_remote_decode": True}, "prefill kv_transfer_params")
         self.check(body.get("stream") is False, "prefill stream")
         self.check("stream_options" not in body, "prefill got stream_options")
         make = protocol.chat_response if is_chat else protocol.completion_response

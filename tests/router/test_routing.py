@@ -477,3 +477,65 @@ def test_an_instance_at_capacity_is_not_asked_again_until_its_retry_after(harnes
     # instance was marked full, waited in the router's queue and timed out there).
     assert all(status == 503 and headers["Retry-After"] in ("7", "1") for status, headers, _ in answers)
     assert 1 <= len(full.received) <= 8          # at most once each, then held past the queue timeout
+
+
+# --- 9. the push handoff -----------------------------------------------------------------------------------
+
+def push(backend, port: int):
+    backend.load["kv_connector"] = {"name": "nixl-push", "engine_id": backend.url, "host": "127.0.0.1",
+                                    "port": port, "boot_id": f"boot-{port}"}
+    return backend
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_push_sends_prefill_and_decode_at_once_with_one_transfer_id(harness, stream):
+    p, d = push(harness.backend("prefill", "slow_0.5s"), 7001), push(harness.backend("decode"), 7002)
+    url = harness.proxy([p], [d], startup_timeout=2)
+    status, _, raw = complete(url, PREFIX, stream=stream)
+    assert status == 200 and (b"[DONE]" in raw) == stream
+    [p_hop], [d_hop] = p.received, d.received
+    assert abs(d_hop.at - p_hop.at) < 0.3  # D did not wait for P's answer (P took 0.5 s to give it)
+    transfer_id = p_hop.body["kv_transfer_params"]["transfer_id"]
+    assert d_hop.body["kv_transfer_params"] == {
+        "do_remote_prefill": True, "transfer_id": transfer_id, "remote_engine_id": p.url,
+        "remote_request_id": transfer_id, "remote_host": "127.0.0.1", "remote_port": 7001, "remote_boot_id": "boot-7001"}
+    assert p.problems == d.problems == [] and not p.releases and not d.releases
+    assert cluster(url)["decisions"]["disaggregated"] == 1
+
+
+def test_push_prefill_failure_releases_the_transfer_on_decode(harness):
+    p, d = push(harness.backend("prefill", "http500"), 7011), push(harness.backend("decode", "slow_0.5s"), 7012)
+    url = harness.proxy([p], [d], startup_timeout=2)
+    status, _, _ = complete(url, PREFIX)
+    assert status == 200   # D's answer (a pdserve D would fail the load, or recompute, on the release)
+    transfer_id = p.received[0].body["kv_transfer_params"]["transfer_id"]
+    assert d.releases == [{"kv_transfer_params": {"remote_engine_id": d.url, "remote_request_id": transfer_id}}]
+    assert not p.releases
+
+
+def test_push_decode_never_taking_it_releases_the_transfer_on_prefill(harness):
+    p, d = push(harness.backend("prefill"), 7021), push(harness.backend("decode", "http500"), 7022)
+    url = harness.proxy([p], [d], startup_timeout=2, max_recoveries=0)
+    status, _, _ = complete(url, PREFIX)
+    assert status == 502
+    transfer_id = p.received[0].body["kv_transfer_params"]["transfer_id"]
+    assert wait_for(lambda: p.releases == [{"kv_transfer_params": {"remote_engine_id": p.url,
+                                                                    "remote_request_id": transfer_id}}])
+
+
+def test_startup_refuses_push_and_pull_instances_together(harness):
+    p, d = push(harness.backend("prefill"), 7031), harness.backend("decode")
+    d.load["kv_connector"] = {"name": "nixl", "engine_id": "d", "host": "127.0.0.1", "port": 7032, "boot_id": "b"}
+    with pytest.raises(StartupError) as caught:
+        harness.proxy([p], [d], startup_timeout=2)
+    assert str(caught.value) == (f"{p.url} (--prefill) pushes its KV (--kv-connector nixl-push) but {d.url} "
+                                 f"(--decode) pulls: every prefill and decode instance needs the same handoff")
+
+
+def wait_for(predicate, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

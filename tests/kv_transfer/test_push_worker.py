@@ -1,0 +1,206 @@
+"""The push handoff's worker halves over real NIXL (UCX, CPU DRAM): a P and a D worker in one process.
+
+The safety rule under test everywhere: D reports a transfer (and so frees or reuses its blocks) only
+once no WRITE can land in them, and P frees its blocks once its WRITE is over or will never start.
+Without the progress thread a WRITE completes only while both agents are progressed, so every wait
+polls both workers, as two engines stepping would.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.kv_transfer import side_channel
+from pdserve.kv_transfer.pull import KeepAliveSpec
+from pdserve.kv_transfer.push import PushConnectorMeta, PushRecvSpec, PushSendSpec
+
+from tests.kv_transfer.helpers import KV_SHAPE, assert_idle, nixl_available, poll, worker_factory
+
+if not nixl_available():
+    pytest.skip("needs NIXL (nixl or nixl_cu13)", allow_module_level=True)
+
+
+@pytest.fixture
+def make_worker():
+    yield from worker_factory("nixl-push")
+
+
+def filled(seed: int) -> torch.Tensor:
+    return torch.randn(KV_SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def recv_spec(p, transfer_id="t1", local=(3, 4, 5), first=0, request_id="d-req", port=None, boot_id=None):
+    return PushRecvSpec(request_id, transfer_id, list(local), first, p.engine_id, "127.0.0.1",
+                        port or p.side_channel_port, boot_id or p.boot_id)
+
+
+def keep_alive(p, transfer_id="t1", request_id="d-req"):
+    return KeepAliveSpec(request_id, p.engine_id, transfer_id, "127.0.0.1", p.side_channel_port, p.boot_id)
+
+
+def test_write_lands_in_the_announced_blocks_announce_first(make_worker):
+    p_cache, d_cache = filled(0), torch.zeros(KV_SHAPE)
+    p, d = make_worker("producer", p_cache), make_worker("consumer", d_cache)
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[7, 8, 20], first=1)]))
+    poll([p, d], lambda s, r: "t1" in p.pusher.sends and p.pusher.sends["t1"].target is not None)
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [10, 11, 12, 13])]))
+    sending, recving = poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    for local, remote in zip([7, 8, 20], [11, 12, 13]):  # P's blocks [1, 4) → D's announced ids
+        assert torch.equal(d_cache[local], p_cache[remote])
+    assert torch.count_nonzero(d_cache[[0, 1, 2, 9, 10]]) == 0
+    assert d.get_load_error("d-req") is None and not d.get_block_ids_with_load_errors()
+    stats = p.get_stats()
+    assert stats["kv_transfer_bytes_total"] == 3 * p_cache[0].numel() * 4
+    assert stats["kv_transfer_descriptors_total"] == 2  # [11,12]→[7,8] and 13→20
+    assert_idle(p, d)
+
+
+def test_write_after_prefill_when_the_announce_comes_second(make_worker):
+    p_cache, d_cache = filled(1), torch.zeros(KV_SHAPE)
+    p, d = make_worker("producer", p_cache), make_worker("consumer", d_cache)
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [2, 3])]))
+    assert p.get_finished() == (set(), set()) and p.get_stats()["num_blocks_held_for_transfer"] == 2
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[5, 6])]))
+    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    assert torch.equal(d_cache[5:7], p_cache[2:4])
+    assert_idle(p, d)
+
+
+def test_p_request_aborted_fails_the_load_at_once(make_worker):
+    p, d = make_worker("producer"), make_worker("consumer")
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    poll([p, d], lambda s, r: p.pusher.sends.get("t1") is not None and p.pusher.sends["t1"].target is not None)
+    p.start_load_kv(PushConnectorMeta(reqs_not_sent=["t1"]))
+    poll([p, d], lambda s, r: "d-req" in r)
+    assert "did not compute the prompt" in d.get_load_error("d-req")
+    assert d.get_block_ids_with_load_errors() == {3, 4, 5}
+    assert_idle(p, d)
+
+
+def test_d_cancel_before_the_write_frees_both_sides(make_worker):
+    p, d = make_worker("producer"), make_worker("consumer")
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    poll([p, d], lambda s, r: p.pusher.sends.get("t1") is not None)
+    d.start_load_kv(PushConnectorMeta(reqs_to_cancel={"d-req"}))
+    poll([p, d], lambda s, r: "d-req" in r)
+    assert d.get_load_error("d-req") is None  # an abort: the scheduler frees, no error for anyone
+    # P computes it afterwards: the release came first, so its blocks go back at once, nothing is written
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2, 3])]))
+    sending, _ = poll([p, d], lambda s, r: "p-req" in s)
+    assert p.get_stats()["kv_transfer_bytes_total"] == 0
+    assert_idle(p, d)
+
+
+def test_p_holds_for_a_queued_d_while_it_heartbeats(make_worker):
+    p = make_worker("producer", lease_seconds=0.4, heartbeat_seconds=0.1)
+    d = make_worker("consumer", lease_seconds=0.4, heartbeat_seconds=0.1)
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2])]))
+    d.start_load_kv(PushConnectorMeta(reqs_to_keep_alive=[keep_alive(p)]))
+    end = time.monotonic() + 1.0  # 2.5 leases: only the keep-alive keeps P's hold
+    while time.monotonic() < end:
+        assert p.get_finished() == (set(), set())
+        d.get_finished()
+        time.sleep(0.01)
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[4, 5])]))
+    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    assert d.get_load_error("d-req") is None
+    assert p.get_stats()["kv_lease_expirations_total"] == 0
+    assert_idle(p, d)
+
+
+def test_no_announce_within_a_lease_frees_p(make_worker):
+    p = make_worker("producer", lease_seconds=0.3, heartbeat_seconds=0.1)
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2])]))
+    poll([p], lambda s, r: "p-req" in s, timeout=3)
+    assert p.get_stats()["kv_lease_expirations_total"] == 1
+    reply, _ = side_channel.request("127.0.0.1", p.side_channel_port, {
+        "type": "heartbeat", "engine_id": "d", "boot_id": p.boot_id, "transfer_ids": ["t1", "t2"]})
+    assert reply["states"] == {"t1": "expired", "t2": "unknown"}
+    assert_idle(p)
+
+
+def test_p_gone_fails_the_load_without_waiting_out_the_write_bound(make_worker):
+    p = make_worker("producer", lease_seconds=2.0, heartbeat_seconds=0.1)
+    d = make_worker("consumer", lease_seconds=2.0, heartbeat_seconds=0.1)
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    poll([p, d], lambda s, r: d.receiver.recvs["d-req"].state.value == "waiting")
+    p.shutdown()  # its side channel closes: nothing listens, so nothing of it can write
+    start = time.monotonic()
+    poll([d], lambda s, r: "d-req" in r, timeout=5)
+    assert time.monotonic() - start < 2.0
+    assert "gone" in d.get_load_error("d-req")
+    assert d.get_block_ids_with_load_errors() == {3, 4, 5}
+    assert_idle(d)
+
+
+def test_p_silent_holds_d_blocks_until_no_write_can_land(make_worker):
+    """A P that accepts and never answers: D reports only after announce lease + write timeout."""
+    import socket
+    p = make_worker("producer")
+    d = make_worker("consumer", lease_seconds=0.4, heartbeat_seconds=0.1,
+                    extra={"write_timeout_seconds": 0.5})
+    sink = socket.socket()
+    sink.bind(("127.0.0.1", 0))
+    sink.listen(64)  # accepts (the kernel does), never answers
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, port=sink.getsockname()[1])]))
+    start = time.monotonic()
+    poll([d], lambda s, r: "d-req" in r, timeout=12)
+    waited = time.monotonic() - start
+    # announce sent at ~0, its reply timed out (0.2 s = lease / 2): held until 0 + 0.4 + 0.5 + margin
+    assert waited >= 0.9, waited
+    assert "did not answer" in d.get_load_error("d-req")
+    assert d.get_block_ids_with_load_errors() == {3, 4, 5}
+    sink.close()
+    assert_idle(d)
+
+
+def test_d_layout_mismatch_fails_naming_both_values(make_worker):
+    p = make_worker("producer")
+    d = make_worker("consumer", compat={"model": "other", "dtype": "float32", "block_size": 4,
+                                        "kv_layout": "blocks,layers,kv,slots,heads,dim"})
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2, 3])]))
+    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    error = d.get_load_error("d-req")
+    assert "mismatch" in error and "model local=" in error, error
+    assert d.get_block_ids_with_load_errors() == {3, 4, 5}
+    assert_idle(p, d)
+
+
+def test_a_second_d_announcing_the_same_transfer_is_refused(make_worker):
+    p, d1, d2 = make_worker("producer"), make_worker("consumer"), make_worker("consumer")
+    d1.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    poll([p, d1], lambda s, r: d1.receiver.recvs["d-req"].state.value == "waiting")
+    d2.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, request_id="d2-req")]))
+    poll([p, d2], lambda s, r: "d2-req" in r)
+    assert "another decode instance" in d2.get_load_error("d2-req")
+    assert d2.get_block_ids_with_load_errors() == {3, 4, 5}
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2, 3])]))
+    poll([p, d1], lambda s, r: "p-req" in s and "d-req" in r)
+    assert d1.get_load_error("d-req") is None
+    assert_idle(p, d1, d2)
+
+
+def test_router_release_on_d_fails_the_load_once_p_confirms(make_worker):
+    p, d = make_worker("producer"), make_worker("consumer")
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    poll([p, d], lambda s, r: d.receiver.recvs["d-req"].state.value == "waiting")
+    d.release_held(["t1"])  # the router: P's hop failed
+    poll([p, d], lambda s, r: "d-req" in r)
+    assert "prefill instance failed" in d.get_load_error("d-req")
+    assert d.get_block_ids_with_load_errors() == {3, 4, 5}
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2, 3])]))
+    poll([p, d], lambda s, r: "p-req" in s)  # released first: freed at once, never written
+    assert p.get_stats()["kv_transfer_bytes_total"] == 0
+    assert_idle(p, d)
+
+
+def test_stale_boot_is_refused_at_once(make_worker):
+    p, d = make_worker("producer"), make_worker("consumer")
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, boot_id="an-earlier-boot")]))
+    poll([p, d], lambda s, r: "d-req" in r)
+    assert "restarted" in d.get_load_error("d-req")
+    assert d.get_block_ids_with_load_errors() == {3, 4, 5}
+    assert_idle(p, d)
