@@ -56,6 +56,8 @@ def run_one(args: argparse.Namespace, policy: str, threshold: int, workload: str
         bench = [sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", url, "--endpoint", "chat",
                  "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--no-progress",
                  "--out", str(out), *WORKLOADS[workload]]
+        if args.num_prompts is not None and workload == "mixed":
+            bench[bench.index("--num-prompts") + 1] = str(args.num_prompts)
         subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, timeout=3600)
         result = json.loads(out.read_text())
         cluster = procs.get_json(url + "/cluster")
@@ -86,6 +88,7 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8600)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="runs of every configuration, in alternating order")
+    p.add_argument("--num-prompts", type=int, default=None, help="mixed: requests per run (default 80)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     configs = [(c.split(":")[0], int(c.split(":")[1]) if ":" in c else 0) for c in args.configs.split(",")]

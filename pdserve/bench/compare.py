@@ -6,7 +6,7 @@ across arrival rates, so that no configuration wins by having more hardware. The
   colocated          N × `pdserve serve --no-chunked-prefill`, behind `pdserve proxy --colocated` (round-robin)
   colocated-chunked  N × `pdserve serve --max-num-batched-tokens B` (chunked prefill on), behind the same
   disaggregated      P × `serve --kv-connector K --kv-role producer` + (N - P) × `--kv-role consumer`,
-                     behind `pdserve proxy --prefill ... --decode ...` (K: --kv-connector, nixl or cuda_ipc)
+                     behind `pdserve proxy --prefill ... --decode ...` (K: --kv-connector, nixl, nixl-push or cuda_ipc; --router-args its router flags)
 Equal devices: instance i of every configuration gets device i of N: on CPU the i-th of N equal,
 disjoint core sets (`--cpu-cores`, `--num-threads`), on CUDA one GPU (CUDA_VISIBLE_DEVICES). The
 proxy and this client are not pinned; they share the machine alike in every configuration.
@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -47,7 +48,7 @@ from pdserve.bench.runner import BenchConfig, run_benchmark, run_sweep
 from pdserve.cluster import ChildProcesses, split_cores
 
 CONFIG_NAMES = ("colocated", "colocated-chunked", "disaggregated")
-KV_CONNECTORS = ("nixl", "cuda_ipc")
+KV_CONNECTORS = ("nixl", "nixl-push", "cuda_ipc")
 PROXY_START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0           # an instance shuts its engine process down before it exits
 
@@ -115,6 +116,7 @@ class CompareConfig:
     serve_args: tuple[str, ...] = ()  # model flags for every instance (--model, --dtype, --seed, ...)
     kv_connector: str = "nixl"    # disaggregated: --kv-connector (nixl | cuda_ipc)
     kv_transfer_config: str | None = None  # disaggregated: --kv-transfer-config JSON
+    router_args: tuple[str, ...] = ()  # disaggregated: the router's own flags (--policy, --pd-min-prompt-tokens, ...)
     device: str = "auto"         # auto | cpu | cuda
     host: str = "127.0.0.1"
     base_port: int = 8100        # the proxy; instance i listens on base_port + 1 + i
@@ -254,7 +256,7 @@ def plan_deployment(config: str, cc: CompareConfig, devices: Sequence[Device], *
             for role in ("colocated", "prefill", "decode")}
     proxy_args = ["proxy", "--host", cc.host, "--port", str(cc.base_port)]
     if config == "disaggregated":
-        proxy_args += ["--prefill", *urls["prefill"], "--decode", *urls["decode"]]
+        proxy_args += ["--prefill", *urls["prefill"], "--decode", *urls["decode"], *cc.router_args]
     else:
         proxy_args += ["--colocated", *urls["colocated"]]
     return Deployment(name or config, layout, cc.host, tuple(instances), cc.base_port, tuple(proxy_args))
@@ -549,6 +551,9 @@ def add_compare_parser(bench_sub: argparse._SubParsersAction) -> None:
     g.add_argument("--kv-connector", default="nixl", choices=KV_CONNECTORS,
                    help="disaggregated: the KV transport (cuda_ipc: GPUs of one host, no NIXL needed)")
     g.add_argument("--kv-transfer-config", default=None, help="disaggregated: JSON for every P and D instance")
+    g.add_argument("--router-args", default="", metavar="'FLAGS'",
+                   help="disaggregated: the router's own flags, e.g. '--policy cost --pd-min-prompt-tokens 256' "
+                        "(conditional disaggregation: short prompts go straight to a decode instance)")
 
     m = p.add_argument_group("model (passed to every instance)")
     m.add_argument("--model", dest="serve_model", metavar="MODEL", default="default",
@@ -584,7 +589,8 @@ def compare_config_from_args(args: argparse.Namespace) -> CompareConfig:
     cc = CompareConfig(configs=args.configs, num_devices=args.num_devices, prefill_share=args.prefill_share,
                        chunked_budgets=args.chunked_budget, max_num_batched_tokens=args.max_num_batched_tokens,
                        prefix_caching=args.prefix_caching, serve_args=tuple(serve_args),
-                       kv_connector=args.kv_connector, kv_transfer_config=args.kv_transfer_config, device=args.device, host=args.host,
+                       kv_connector=args.kv_connector, kv_transfer_config=args.kv_transfer_config,
+                       router_args=tuple(shlex.split(args.router_args)), device=args.device, host=args.host,
                        base_port=args.base_port, start_timeout_s=args.start_timeout, num_warmup=args.num_warmup)
     cc.validate()
     return cc

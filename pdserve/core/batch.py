@@ -52,6 +52,7 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)   # P: D has read these; free the blocks
     finished_recving: set[str] = field(default_factory=set)   # D: KV for these has landed (or failed)
     invalid_block_ids: set[int] = field(default_factory=set)  # D: blocks whose load failed
+    recompute_request_ids: set[str] = field(default_factory=set)  # D: failed loads to recompute whatever the policy
 
 
 @dataclass(frozen=True)

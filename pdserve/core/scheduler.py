@@ -260,16 +260,16 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _promote_loaded(self, request: Request, invalid_block_ids: set[int]) -> None:
+    def _promote_loaded(self, request: Request, invalid_block_ids: set[int], recompute: bool = False) -> None:
         """The connector finished loading the request's KV: make it schedulable, or finish it with
-        an error when the load failed under policy `fail`."""
+        an error when the load failed under policy `fail` (unless the connector says to recompute)."""
         block_ids = self.kv.get_block_ids(request.request_id)
         loaded = request.num_cached_tokens
         request.status = RequestStatus.WAITING
         bad = [i for i, b in enumerate(block_ids) if b in invalid_block_ids]
         if bad:
             self.kv.evict_blocks({block_ids[i] for i in bad})
-            if self.kv_load_failure_policy == "fail":
+            if self.kv_load_failure_policy == "fail" and not recompute:
                 request.error = (f"KV load failed for {len(bad)} of {len(block_ids)} blocks "
                                  "(kv_load_failure_policy=fail)")
                 self._finish(request, RequestStatus.FINISHED_ERROR)
@@ -364,7 +364,8 @@ class Scheduler:
             if request is not None:
                 self.kv.free(request)
             elif request_id in self.requests:
-                self._promote_loaded(self.requests[request_id], out.invalid_block_ids)
+                self._promote_loaded(self.requests[request_id], out.invalid_block_ids,
+                                     request_id in out.recompute_request_ids)
 
     def _finish(self, request: Request, status: RequestStatus, emit: bool = True) -> dict | None:
         was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS

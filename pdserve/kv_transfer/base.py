@@ -18,7 +18,8 @@ Call points (same as vLLM v1's KVConnectorBase_V1):
   worker, each step (also when no forward pass runs):
     4. start_load_kv(meta) before the forward pass, wait_for_save() after it
     5. finished_sending, finished_recving = get_finished(); invalid blocks from
-       get_block_ids_with_load_errors(); the engine passes these back to the scheduler
+       get_block_ids_with_load_errors() (and get_recompute_request_ids(): failed loads to recompute
+       whatever the policy); the engine passes these back to the scheduler
   scheduler, when a request ends:
     6. delay_free, params = request_finished(request, block_ids)
        delay_free: keep the blocks until the request id shows up in finished_sending
@@ -149,6 +150,12 @@ class KVConnectorWorker(ABC):
         """(finished_sending, finished_recving) request ids since the last call."""
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+    def get_recompute_request_ids(self) -> set[str]:
+        """D: failed loads (their blocks among the load errors) whose prompt this instance computes itself
+        whatever kv_load_failure_policy says, because the router moved the computation here (push: its
+        prefill hop failed before P wrote anything, as a failed pull prefill is routed straight to a D)."""
         return set()
 
     def get_load_error(self, request_id: str) -> str | None:

@@ -64,7 +64,7 @@ class PushConnectorMeta(ConnectorMeta):
     reqs_to_release: list[KeepAliveSpec] = field(default_factory=list)          # D
     reqs_to_cancel: set[str] = field(default_factory=set)                       # D: request ids
     reqs_to_send: list[PushSendSpec] = field(default_factory=list)              # P
-    reqs_not_sent: list[str] = field(default_factory=list)                      # P: transfer ids
+    reqs_not_sent: list[tuple[str, str]] = field(default_factory=list)          # P: (request id, transfer id)
 
 
 def push_params(request: "Request") -> KVTransferParams | None:
@@ -77,6 +77,10 @@ class PushConnectorScheduler(KVConnectorScheduler):
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self._meta = PushConnectorMeta()
         self._kept_alive: dict[str, KeepAliveSpec] = {}
+        # The transfer ids of live requests, per side: one request per transfer id (a second one is refused
+        # at admission: two would share one announce or one WRITE).
+        self._live: dict[str, set[str]] = {"decode": set(), "prefill": set()}
+        self._transfer_of: dict[str, tuple[str, str]] = {}   # request id → (side, transfer id)
 
     def _consumer_params(self, request: "Request") -> KVTransferParams | None:
         if not self.is_consumer:
@@ -84,11 +88,26 @@ class PushConnectorScheduler(KVConnectorScheduler):
         params = push_params(request)
         return params if params is not None and params.do_remote_prefill else None
 
+    def _side(self, params: KVTransferParams | None) -> str | None:
+        if params is not None and params.do_remote_prefill and self.is_consumer:
+            return "decode"
+        if params is not None and params.do_remote_decode and self.is_producer:
+            return "prefill"
+        return None
+
     def check_params(self, params: KVTransferParams | None) -> None:
         if params is not None and (params.do_remote_prefill or params.do_remote_decode) and not params.transfer_id:
             raise ValueError("kv_transfer_params: the push handoff needs a transfer_id")
+        side = self._side(params)
+        if side is not None and params.transfer_id in self._live[side]:
+            raise ValueError(f"kv_transfer_params: transfer_id {params.transfer_id!r} is already in use here")
 
     def request_added(self, request: "Request") -> None:
+        side = self._side(push_params(request))
+        if side is not None:
+            transfer_id = request.kv_transfer_params["transfer_id"]
+            self._live[side].add(transfer_id)
+            self._transfer_of[request.request_id] = (side, transfer_id)
         params = self._consumer_params(request)
         if params is None:
             return
@@ -130,9 +149,15 @@ class PushConnectorScheduler(KVConnectorScheduler):
         meta, self._meta = self._meta, PushConnectorMeta()
         return meta
 
+    def _end_live(self, request_id: str) -> None:
+        side, transfer_id = self._transfer_of.pop(request_id, (None, None))
+        if side is not None:
+            self._live[side].discard(transfer_id)
+
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._stop_keep_alive(request.request_id)  # D: finished or aborted before its load began
+        self._end_live(request.request_id)
         params = request.kv_transfer_params
         if not (self.is_producer and params and params.get("do_remote_decode")):
             return False, None
@@ -140,7 +165,7 @@ class PushConnectorScheduler(KVConnectorScheduler):
         if not transfer_id:
             return False, None  # (refused at admission; nothing to tell anyone)
         if request.status.finish_reason is None or request.status.name in ("FINISHED_ABORTED", "FINISHED_ERROR"):
-            self._meta.reqs_not_sent.append(transfer_id)
+            self._meta.reqs_not_sent.append((request.request_id, transfer_id))
             return False, None
         num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
         self._meta.reqs_to_send.append(PushSendSpec(request.request_id, transfer_id, list(block_ids[:num_prompt_blocks])))
@@ -148,4 +173,5 @@ class PushConnectorScheduler(KVConnectorScheduler):
                       "num_remote_tokens": request.num_prompt_tokens}
 
     def request_aborted_while_loading(self, request: "Request") -> None:
+        self._end_live(request.request_id)
         self._meta.reqs_to_cancel.add(request.request_id)

@@ -67,6 +67,10 @@ class PushConnectorWorker(TransportWorker):
         self.pusher.release(request_ids)
         self.receiver.abandon(request_ids)
 
+    def get_recompute_request_ids(self) -> set[str]:
+        taken, self.receiver.to_recompute = self.receiver.to_recompute, set()
+        return taken
+
     def num_pending_requests(self) -> int:
         return self.pusher.num_pending() + self.receiver.num_pending()
 
@@ -93,6 +97,10 @@ class PushConnectorWorker(TransportWorker):
         runs = coalesce(local_block_ids, remote_block_ids)
         handle, state = self._write(transfer_id, remote, runs)
         return handle, state, len(runs), len(local_block_ids) * local.block_bytes
+
+    def num_blocks(self) -> int | None:
+        """Blocks of this instance's cache (an announce may name no more)."""
+        return self._region.num_blocks if self._region is not None else None
 
     def _count_write(self, send: Send, seconds: float) -> None:
         """P counts what it wrote (it alone times the WRITE); D counts nothing of a push."""

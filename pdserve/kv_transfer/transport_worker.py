@@ -175,7 +175,7 @@ class TransportWorker(KVConnectorWorker):
             diffs = [f"{key} local={self.compat.get(key)} remote={remote_compat.get(key)}"
                      for key in sorted(set(self.compat) | set(remote_compat))
                      if self.compat.get(key) != remote_compat.get(key)]
-            if diffs:
+            if diffs and reply.get("compat") is not None:
                 raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: {', '.join(diffs)}")
             raise RuntimeError(f"handshake with remote engine {engine_id} failed: {reply.get('error')}")
         region = Region(**reply["region"])
@@ -196,13 +196,16 @@ class TransportWorker(KVConnectorWorker):
         return {**reply, **self._handshake_fields, "ok": True,
                 "region": self._region.__dict__}, self._handshake_blob
 
-    def _load_failed(self, load: Any, error: str, invalid_block_ids: list[int]) -> None:
+    def _load_failed(self, load: Any, error: str, invalid_block_ids: list[int], for_client: bool = True) -> None:
         """A failed load (its spec names the request and the remote engine): its blocks and the error its
-        client will see."""
+        client will see (for_client=False: it will not see one, the request recomputes; the log has it)."""
         if "remote engine" not in error:  # (the handshake's errors name the engine already)
             error = f"KV load from remote engine {load.spec.remote_engine_id} failed: {error}"
         self._error_blocks.update(invalid_block_ids)
-        self._load_errors[load.spec.request_id] = (error, time.monotonic())
+        if for_client:
+            self._load_errors[load.spec.request_id] = (error, time.monotonic())
+        else:
+            logger.info("request %s recomputes its prompt: %s", load.spec.request_id, error)
 
     def _stats(self, failures: int, quarantined: int, expirations: int, blocks_held: int) -> dict[str, Any]:
         """get_stats' body: the transfer counters every direction keeps, and the lifecycle's."""
@@ -225,11 +228,13 @@ class TransportWorker(KVConnectorWorker):
         if self._is_shut_down:
             return
         self._is_shut_down = True
-        self._server.close()
+        # Transfers first, the side channel last: a peer that finds it closed may take this instance for
+        # gone (push: a D then gives back blocks a WRITE of ours could still reach).
         self._shutdown_lifecycle()
         if self._region is not None:
             self._deregister()
             self._region = self._kv_cache = None
+        self._server.close()
 
     def _shutdown_lifecycle(self) -> None:
         pass

@@ -184,7 +184,8 @@ class ModelRunner:
         self.connector.wait_for_save()
         finished_sending, finished_recving = self.connector.get_finished()
         return ModelRunnerOutput(sampled, KVConnectorOutput(
-            finished_sending, finished_recving, self.connector.get_block_ids_with_load_errors()))
+            finished_sending, finished_recving, self.connector.get_block_ids_with_load_errors(),
+            self.connector.get_recompute_request_ids()))
 
     def _run(self, out: SchedulerOutput) -> dict[str, int]:
         return self._launch(out).wait()

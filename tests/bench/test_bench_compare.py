@@ -392,6 +392,17 @@ def test_cli_flags_reach_the_instances_and_the_workload():
         parse(["bench", "compare", "--configs", "colocated,pd"])
 
 
+def test_router_args_reach_the_disaggregated_router_only():
+    args = parse(["bench", "compare", "--configs", "disaggregated,colocated", "--kv-connector", "nixl-push",
+                  "--router-args", "--policy cost --pd-min-prompt-tokens 256"])
+    cc = compare_config_from_args(args)
+    devices = split_devices(cc)
+    disagg, colocated = (plan_deployment(name, cc, devices) for name in ("disaggregated", "colocated"))
+    assert disagg.proxy_args[-4:] == ("--policy", "cost", "--pd-min-prompt-tokens", "256")
+    assert "--policy" not in colocated.proxy_args
+    assert all(flag(i.args, "--kv-connector") == "nixl-push" for i in disagg.instances)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("PDSERVE_SLOW_TESTS") != "1", reason="set PDSERVE_SLOW_TESTS=1")
 def test_real_default_model_colocated_chunked_smoke(tmp_path):

@@ -38,7 +38,8 @@ class FakeRunner:
         conn = KVConnectorOutput()
         if self.connector is not None:
             sending, recving = self.connector.get_finished()
-            conn = KVConnectorOutput(sending, recving, self.connector.get_block_ids_with_load_errors())
+            conn = KVConnectorOutput(sending, recving, self.connector.get_block_ids_with_load_errors(),
+                                     self.connector.get_recompute_request_ids())
         return ModelRunnerOutput(sampled, conn)
 
 

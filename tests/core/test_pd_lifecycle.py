@@ -130,6 +130,33 @@ def test_load_failure_policies(policy, injected):
         p.close(), d.close()
 
 
+def test_a_failed_load_the_connector_marks_for_recompute_is_computed_here_under_policy_fail():
+    """The push handoff's abandoned transfer (the router says P failed): D computes the prompt itself,
+    with the output a load would have given, though its policy is `fail`."""
+    p = Instance("producer", "P4")
+    d = Instance("consumer", "D4", kv_load_failure_policy="fail", extra={"inject_read_failure": "all"})
+    try:
+        prompt = list(range(7, 20))
+        params = run_p(p, "req", prompt)
+        get_finished = d.conn_w.get_finished
+        marked = set()
+
+        def finished_and_marked():
+            sending, recving = get_finished()
+            marked.update(recving)
+            return sending, recving
+        d.conn_w.get_finished = finished_and_marked
+        d.conn_w.get_recompute_request_ids = lambda: {marked.pop()} if marked else set()
+        d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params))
+        results, statuses = d.drain()
+        assert results["req"] == [fake_token(12 + i) for i in range(4)]
+        assert statuses["req"][0] != RequestStatus.FINISHED_ERROR
+        p.drain()
+        assert_no_leaks(p.s), assert_no_leaks(d.s)
+    finally:
+        p.close(), d.close()
+
+
 def test_abort_while_waiting_for_remote_kvs_frees_after_load(pd):
     p, d = pd
     prompt = list(range(30))

@@ -87,9 +87,9 @@ def assert_idle(*workers):
 
 
 # Containers that may stay non-empty on an idle worker: configuration, connections to peers (dropped
-# when idle), and ended grants (remembered for one lease period, bounded).
+# when idle), and ended grants, tombstones and abandoned ids (remembered for one lease period, bounded).
 _NOT_REQUEST_STATE = {"compat", "_handshake_fields", "peers", "clients", "_remotes", "_handshakes", "_ended",
-                      "_expired", "_streams", "extra", "stats"}
+                      "_expired", "_streams", "extra", "stats", "_tombstones", "_abandoned"}
 
 
 def request_state(worker) -> dict[str, int]:

@@ -72,7 +72,7 @@ def test_p_request_aborted_fails_the_load_at_once(make_worker):
     p, d = make_worker("producer"), make_worker("consumer")
     d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
     poll([p, d], lambda s, r: p.pusher.sends.get("t1") is not None and p.pusher.sends["t1"].target is not None)
-    p.start_load_kv(PushConnectorMeta(reqs_not_sent=["t1"]))
+    p.start_load_kv(PushConnectorMeta(reqs_not_sent=[("p-req", "t1")]))
     poll([p, d], lambda s, r: "d-req" in r)
     assert "did not compute the prompt" in d.get_load_error("d-req")
     assert d.get_block_ids_with_load_errors() == {3, 4, 5}
@@ -189,8 +189,9 @@ def test_router_release_on_d_fails_the_load_once_p_confirms(make_worker):
     poll([p, d], lambda s, r: d.receiver.recvs["d-req"].state.value == "waiting")
     d.release_held(["t1"])  # the router: P's hop failed
     poll([p, d], lambda s, r: "d-req" in r)
-    assert "prefill instance failed" in d.get_load_error("d-req")
-    assert d.get_block_ids_with_load_errors() == {3, 4, 5}
+    # D computes the prompt itself, whatever its kv_load_failure_policy: no error for the client
+    assert d.get_block_ids_with_load_errors() == {3, 4, 5} and d.get_recompute_request_ids() == {"d-req"}
+    assert d.get_load_error("d-req") is None and d.get_recompute_request_ids() == set()
     p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2, 3])]))
     poll([p, d], lambda s, r: "p-req" in s)  # released first: freed at once, never written
     assert p.get_stats()["kv_transfer_bytes_total"] == 0
@@ -204,3 +205,118 @@ def test_stale_boot_is_refused_at_once(make_worker):
     assert "restarted" in d.get_load_error("d-req")
     assert d.get_block_ids_with_load_errors() == {3, 4, 5}
     assert_idle(p, d)
+
+
+# ---- found by a hostile review: each failed before its fix ----------------------------------------
+
+def _slow_handler(worker, kind, gate):
+    handlers = worker._server._server.handlers
+    real = handlers[kind]
+    handlers[kind] = lambda message, blob: (gate.wait(10), real(message, blob))[1]
+
+
+class StuckWrite:
+    """A transport whose WRITE never ends and cannot be aborted (NIXL raising from release)."""
+
+    def __init__(self, worker):
+        worker._write = lambda transfer_id, remote, runs: (object(), "PROC")
+        worker._check = lambda handle: "PROC"
+        worker._release = self.release
+
+    @staticmethod
+    def release(handle):
+        if handle is not None:
+            raise RuntimeError("cannot abort an active transfer")
+
+
+def test_a_heartbeat_overtaking_the_announce_never_frees_the_blocks(make_worker):
+    """P answers a heartbeat "unknown" before it serves the announce: that says nothing about a WRITE to
+    come (the announce, served next, makes one), so D must not report the load on it."""
+    import threading
+    p_cache, d_cache = filled(5), torch.zeros(KV_SHAPE)
+    p = make_worker("producer", p_cache)
+    d = make_worker("consumer", d_cache, lease_seconds=2.0, heartbeat_seconds=0.05)
+    gate = threading.Event()
+    _slow_handler(p, "announce", gate)
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    end = time.monotonic() + 0.6  # a dozen heartbeat periods, less than the announce's own deadline (1 s)
+    while time.monotonic() < end:
+        assert d.get_finished() == (set(), set())
+        time.sleep(0.01)
+    gate.set()
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [10, 11, 12])]))
+    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    assert d.get_load_error("d-req") is None and torch.equal(d_cache[3:6], p_cache[10:13])
+    assert_idle(p, d)
+
+
+def test_an_error_p_cannot_abort_holds_both_sides(make_worker):
+    """A WRITE that ended in an error but cannot be released may still land: P keeps its blocks and says
+    "quarantined", and D keeps its blocks whatever its timers say."""
+    cfg = dict(lease_seconds=0.4, heartbeat_seconds=0.1, extra={"write_timeout_seconds": 0.3})
+    p, d = make_worker("producer", **cfg), make_worker("consumer", **cfg)
+    StuckWrite(p)
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2, 3])]))
+    end = time.monotonic() + 4.0  # past D's silent-P bound (0.4 + 0.3 + 2 s): P answers, so no timer applies
+    while time.monotonic() < end:
+        assert p.get_finished()[0] == set() and d.get_finished()[1] == set()
+        time.sleep(0.01)
+    assert p.pusher.sends["t1"].state.value == "quarantined"
+    p._release = lambda handle: None  # the transport lets go at last
+    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    assert "did not finish" in d.get_load_error("d-req") and d.get_block_ids_with_load_errors() == {3, 4, 5}
+    assert_idle(p, d)
+
+
+def test_a_silent_p_is_waited_for_with_its_own_longer_bounds(make_worker):
+    p = make_worker("producer", lease_seconds=6.0, heartbeat_seconds=1.0)
+    d = make_worker("consumer", lease_seconds=0.4, heartbeat_seconds=0.1, extra={"write_timeout_seconds": 0.3})
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    poll([p, d], lambda s, r: d.receiver.recvs["d-req"].state.value == "waiting")
+    assert d.receiver.recvs["d-req"].p_bound == 6.0 + 60.0  # P's lease + write timeout, from its reply
+
+
+def test_one_announce_naming_a_transfer_twice_is_refused_whole(make_worker):
+    p = make_worker("producer")
+    item = {"transfer_id": "t", "request_id": "r", "block_ids": [1], "first_block": 0}
+    for items, port in (([item, dict(item, request_id="r2")], 9), ([item], True), ([dict(item, block_ids=[1] * 40)], 9)):
+        reply, _ = side_channel.request("127.0.0.1", p.side_channel_port, {
+            "type": "announce", "engine_id": "d", "boot_id": p.boot_id, "d_boot_id": "b", "host": "127.0.0.1",
+            "port": port, "transfers": items})
+        assert not reply["ok"] and p.pusher.sends == {}, reply  # (a cache of 32 blocks: 40 ids are refused)
+
+
+def test_two_p_requests_on_one_transfer_id_free_the_second_at_once(make_worker):
+    p = make_worker("producer")
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-1", "t1", [1, 2])]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-2", "t1", [3, 4])],
+                                      reqs_not_sent=[("p-3", "t1")]))
+    sending, _ = poll([p], lambda s, r: "p-2" in s)
+    assert "p-1" not in sending and p.pusher.sends["t1"].request_id == "p-1"
+
+
+def test_the_routers_release_before_d_has_the_request_recomputes_it_at_once(make_worker):
+    p, d = make_worker("producer"), make_worker("consumer")
+    d.release_held(["t1"])  # P's hop failed at once; D has not admitted the request yet
+    d.start_load_kv(PushConnectorMeta(reqs_to_keep_alive=[keep_alive(p)]))
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    poll([p, d], lambda s, r: "d-req" in r, timeout=2)
+    assert d.get_recompute_request_ids() == {"d-req"} and d.get_block_ids_with_load_errors() == {3, 4, 5}
+    assert p.pusher.sends == {}  # never announced
+    assert d.get_load_error("d-req") is None
+    assert_idle(p, d)
+
+
+def test_a_flood_of_releases_for_unknown_ids_keeps_the_real_fates(make_worker):
+    p, d = make_worker("producer"), make_worker("consumer")
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    poll([p, d], lambda s, r: d.receiver.recvs["d-req"].state.value == "waiting")
+    d.start_load_kv(PushConnectorMeta(reqs_to_cancel={"d-req"}))
+    poll([p, d], lambda s, r: "d-req" in r)
+    for start in range(0, 1 << 16, 4096):
+        side_channel.request("127.0.0.1", p.side_channel_port, {
+            "type": "release", "engine_id": "x", "boot_id": p.boot_id,
+            "transfer_ids": [f"junk-{i}" for i in range(start, start + 4096)]})
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2, 3])]))
+    poll([p], lambda s, r: "p-req" in s, timeout=1)  # still known released: freed at once, not at lease end
