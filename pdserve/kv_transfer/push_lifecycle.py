@@ -232,7 +232,8 @@ class Pusher:
         with self._lock:
             if self.sends.get(send.transfer_id) is not send or send.state != SendState.WAITING:
                 return  # released meanwhile
-            send.state, send.deadline, send.posted_at = SendState.WRITING, now + self.write_timeout, now
+            send.state, send.deadline = SendState.WRITING, now + self.write_timeout
+        send.posted_at = self.clock()  # (the step's `now` may be long past: a WRITE can be done at once)
         try:
             send.handle, state, send.num_descriptors, send.num_bytes = self.t._post_write(
                 send.transfer_id, local_ids, list(target.block_ids), peer.remote)
@@ -272,7 +273,7 @@ class Pusher:
             send.error = send.error or "transfer error"
             return self._abort(send, finished, now)
         self._release_handle(send)  # (a finished transfer: nothing of it can write any more)
-        self.t._count_write(send, now - send.posted_at)
+        self.t._count_write(send, self.clock() - send.posted_at)
         with self._lock:
             self._finish_locked(send, "written", finished, now)
 

@@ -138,7 +138,7 @@ def push_params(prefill: Instance, decode: Instance) -> tuple[dict, dict, dict, 
     return {"do_remote_decode": True, "transfer_id": transfer_id}, d_params, p_release, d_release
 
 
-def release_on_prefill(proxy: Proxy, url: str, kv_transfer_params: dict, headers: dict) -> None:
+def release_transfer(proxy: Proxy, url: str, kv_transfer_params: dict, headers: dict) -> None:
     """Free what an instance holds for a transfer no one will complete (P's blocks no D took; with push, also
     D's blocks for a P whose hop failed), in the background."""
     async def release() -> None:

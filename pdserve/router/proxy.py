@@ -75,7 +75,7 @@ from pdserve.metrics import CONTENT_TYPE
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, error_body
 from pdserve.router.errors import (NETWORK_ERRORS, BackendError, ClientError, describe, json_error, json_errors,
                                    public_detail)
-from pdserve.router.hops import BODY_BYTES, JSON, encode_json, prefill_hop, push_params, release_on_prefill
+from pdserve.router.hops import BODY_BYTES, JSON, encode_json, prefill_hop, push_params, release_transfer
 from pdserve.router.instances import Instance, Ticket
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.monitor import DEFAULT_EJECT_AFTER, DEFAULT_POLL_INTERVAL_S, Monitor, StartupError
@@ -299,7 +299,7 @@ class Proxy:
                 continue
             return await final_hop(
                 self, request, req, route.decode, body, headers, start, kv_transfer_params=params,
-                release=lambda: release_on_prefill(self, prefill.url, params, headers))
+                release=lambda: release_transfer(self, prefill.url, params, headers))
 
     async def serve_pushed(self, request: web.Request, req: RouteRequest, route: Route, body: dict, headers: dict,
                            start: float, pushed: tuple[dict, dict, dict, dict]) -> web.StreamResponse:
@@ -317,12 +317,12 @@ class Proxy:
                 return
             logger.warning("request %s: push prefill on %s failed: %s", headers["X-Request-Id"], prefill.name, error)
             if d_release:
-                release_on_prefill(self, decode.url, d_release, headers)
+                release_transfer(self, decode.url, d_release, headers)
         task.add_done_callback(prefill_done)
         try:
             return await final_hop(
                 self, request, req, decode, body, headers, start, kv_transfer_params=d_params,
-                release=lambda: release_on_prefill(self, prefill.url, p_release, headers))
+                release=lambda: release_transfer(self, prefill.url, p_release, headers))
         finally:
             if not task.done():  # the client left (or D's answer came first): P's hop is not needed
                 task.cancel()

@@ -320,3 +320,31 @@ def test_a_flood_of_releases_for_unknown_ids_keeps_the_real_fates(make_worker):
             "transfer_ids": [f"junk-{i}" for i in range(start, start + 4096)]})
     p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2, 3])]))
     poll([p], lambda s, r: "p-req" in s, timeout=1)  # still known released: freed at once, not at lease end
+
+
+def test_a_write_done_at_once_is_timed_from_its_post_not_from_the_step():
+    """A WRITE the transport finishes inside its post call was counted as 0 s (the step's start minus
+    itself); it is timed from the post to when it is seen done."""
+    from pdserve.config import KVTransferConfig
+    from pdserve.kv_transfer.push_lifecycle import Pusher, Send, Target
+    clock = iter([10.0, 10.2, 10.5, 10.5]).__next__
+
+    class Transport:
+        engine_id, boot_id = "p", "boot"
+        counted = []
+
+        def _post_write(self, *args):
+            return object(), "DONE", 1, 1024
+
+        def _release(self, handle):
+            pass
+
+        def _count_write(self, send, seconds):
+            self.counted.append(seconds)
+    t = Transport()
+    pusher = Pusher(t, KVTransferConfig(kv_connector="nixl-push"), clock=lambda: clock())
+    send = pusher.sends["t1"] = Send("t1", 100.0, "p-req", [1, 2], Target("d", "b", ("127.0.0.1", 1), "d-req", (5, 6), 0))
+    pusher._peer = lambda target, now: type("Peer", (), {"is_failed": False, "remote": object()})()
+    finished = set()
+    pusher._start(send, 10.0, finished)
+    assert finished == {"p-req"} and t.counted == [pytest.approx(0.2)]
