@@ -16,7 +16,7 @@ from tests.e2e.cluster import ROUTER_KEY, Process, serve, wait_until
 from tests.e2e.test_pd_cluster import CHATS, complete, token_prompt
 
 KV = '{"lease_seconds": 4, "heartbeat_seconds": 1}'
-PUSH_LENGTHS = [1, 2, 16, 17, 33, 100, 600]
+PUSH_LENGTHS = [1, 17, 100, 600]  # (test_pd_cluster covers the block edges; pull and push share the scheduler)
 
 
 def push_instance(name: str, role: str) -> Process:
@@ -61,14 +61,14 @@ def test_pushed_output_identical_to_colocated(cluster):
             if n > 1:  # P wrote the prompt's KV into D's blocks; D recomputed only the last token
                 assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1, n
         bodies = [{"model": "default", "messages": [{"role": "user", "content": text}], "max_tokens": 24,
-                   "temperature": 0} for text in CHATS[:3]]
+                   "temperature": 0} for text in CHATS[:2]]
         got_all = pool.submit(lambda: [proxy.post("/v1/chat/completions", body) for body in bodies])
         want_all = pool.submit(lambda: [colocated.post("/v1/chat/completions", body) for body in bodies])
         for (s1, got), (s2, want) in zip(got_all.result(), want_all.result()):
             assert s1 == s2 == 200
             assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
     # P wrote every request's KV: P counts the bytes and descriptors of its WRITEs (the stats may lag).
-    num_requests = len(PUSH_LENGTHS) + 3
+    num_requests = len(PUSH_LENGTHS) + 2
     count = lambda: prefill.metrics()["kv_transfer_seconds_count"] - before.get("kv_transfer_seconds_count", 0)  # noqa: E731
     assert wait_until(lambda: count() == num_requests, timeout=5), count()
     descriptors = prefill.metrics()["kv_transfer_descriptors_total"] - before.get("kv_transfer_descriptors_total", 0)
@@ -80,12 +80,12 @@ def test_concurrent_pushed_streams_identical(cluster):
     import openai
     proxy, colocated = cluster["proxy"], cluster["colocated"]
     client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none", max_retries=0)
-    prompts = [token_prompt(8 + 41 * i, seed=300 + i) for i in range(8)]
+    prompts = [token_prompt(8 + 41 * i, seed=300 + i) for i in range(6)]
 
     def streamed(prompt):
         stream = client.completions.create(model="default", prompt=prompt, max_tokens=10, temperature=0, stream=True)
         return "".join(c.choices[0].text for c in stream if c.choices)
-    with ThreadPoolExecutor(9) as pool:
+    with ThreadPoolExecutor(7) as pool:
         want = pool.submit(lambda: [complete(colocated, p, max_tokens=10)["choices"][0]["text"] for p in prompts])
         got = list(pool.map(streamed, prompts))
     assert got == want.result()
@@ -119,7 +119,7 @@ def test_prefill_killed_while_decode_holds_blocks_for_it(cluster):
     """P dies with a request computing: D's blocks for it must come back (no WRITE can land: nothing
     listens at P's side channel), and the client gets an answer or a clean error, not a hang."""
     prefill, decode, proxy, colocated = cluster["prefill"], cluster["decode"], cluster["proxy"], cluster["colocated"]
-    prompt = token_prompt(1500, seed=78)
+    prompt = token_prompt(1000, seed=78)
     result = {}
     worker = threading.Thread(target=lambda: result.update(answer=proxy.post(
         "/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": 8, "temperature": 0}, timeout=60)))
@@ -135,7 +135,7 @@ def test_prefill_killed_while_decode_holds_blocks_for_it(cluster):
         assert body["choices"][0]["text"] == want["choices"][0]["text"]
     else:
         assert status in (502, 503) and body["error"]["message"], body
-    # (D computes the 1,500-token prompt itself after the router's release: on a slow 2-core box that
+    # (D computes the 1,000-token prompt itself after the router's release: on a slow 2-core box that
     # takes tens of seconds; the bound is for a hang, the speed of the way out is the next assertion's)
     assert time.monotonic() - started < 120
     # Back within seconds, not after the write bound (lease + write timeout, 64 s here): a message that met
