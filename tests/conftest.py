@@ -7,6 +7,21 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (the README's test command runs two workers): each worker, and every server it
+    starts, keeps to a core of its own. Two workers' engines would otherwise each run one OpenMP thread
+    per core, and threads that outnumber cores wait on descheduled peers (docs/benchmarks.md, Threads)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        if count > 1 and len(cores) >= count:
+            share = len(cores) // count
+            index = int(worker[2:])
+            os.sched_setaffinity(0, cores[index * share:(index + 1) * share])
+            torch.set_num_threads(share)
+
+
 @pytest.fixture(scope="session")
 def hf_default_model():
     """transformers' own GGUF path (its config mapping and Q/K un-permutation) for the default
