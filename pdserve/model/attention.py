@@ -10,9 +10,12 @@ kv_cache[:, i]  # [blocks, 2, slots, heads, dim]
 Two implementations behind write_kv(), rope_and_write_kv() and paged_attention():
   triton     (model/triton_attention.py) on CUDA: paged flash attention straight from the cache, GQA
              packed, split-K for decode; its write_kv skips negative slots (padded CUDA-graph rows).
-  reference  plain torch, the ground truth the fast path is tested against; used on CPU.
-BACKEND picks: "auto" (triton on CUDA when Triton imports, else reference), "triton" (also on CPU
-under TRITON_INTERPRET=1, for tests) or "reference". Its default comes from $PDSERVE_ATTENTION_BACKEND.
+  reference  plain torch, the ground truth the fast paths are tested against; used on CPU, where its
+             decode rows (float32) go to a C kernel that reads the cache in place (model/cpu_kernels.py)
+             unless BACKEND is "reference" or the kernel cannot be built.
+BACKEND picks: "auto" (triton on CUDA when Triton imports, else reference with the CPU kernel),
+"triton" (also on CPU under TRITON_INTERPRET=1, for tests) or "reference" (plain torch only). Its
+default comes from $PDSERVE_ATTENTION_BACKEND.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import triton_attention
+from pdserve.model import cpu_kernels, triton_attention
 from pdserve.model.host_copy import to_device
 from pdserve.model.layers import apply_rotary
 
@@ -113,15 +116,23 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetada
         return triton_attention.paged_attention_triton(
             q, kv_layer, md.query_start_loc, md.seq_lens, md.block_tables, md.block_size, scale,
             md.max_query_len, num_decodes=md.num_decodes)
-    return paged_attention_reference(q, kv_layer, md, scale)
+    out = torch.empty_like(q)
+    n = md.num_decodes   # the runner puts decodes first: sequences [0, n) are query tokens [0, n)
+    if (n and BACKEND != "reference" and not q.is_cuda
+            and cpu_kernels.decode_attention(q[:n], kv_layer, md.block_tables[:n], md.seq_lens[:n], scale, out[:n])):
+        if n == len(md.seq_lens_cpu):
+            return out
+        return paged_attention_reference(q, kv_layer, md, scale, out=out, num_done=n)
+    return paged_attention_reference(q, kv_layer, md, scale, out=out)
 
 
 def paged_attention_reference(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata,
-                              scale: float) -> torch.Tensor:
+                              scale: float, out: torch.Tensor | None = None, num_done: int = 0) -> torch.Tensor:
     """Plain torch: every single-token (decode) sequence in one padded gather + one SDPA call;
     each multi-token (prefill chunk) sequence in its own SDPA call. Reads only host lists for
-    control flow, so it makes no device sync."""
-    out = torch.empty_like(q)
+    control flow, so it makes no device sync. num_done: the leading decode sequences already in out."""
+    if out is None:
+        out = torch.empty_like(q)
     decode_seq_ids: list[int] = []
     decode_token_ids: list[int] = []
     token_start = 0
@@ -129,7 +140,9 @@ def paged_attention_reference(q: torch.Tensor, kv_layer: torch.Tensor, md: Atten
     # no mask (measured on the default model, batch 64 x ~300 tokens: 0.85-1.1 s per decode step padded).
     batch_decodes = q.is_cuda
     for seq_id, (query_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
-        if query_len == 1 and batch_decodes:
+        if seq_id < num_done:
+            pass
+        elif query_len == 1 and batch_decodes:
             decode_seq_ids.append(seq_id)
             decode_token_ids.append(token_start)
         elif query_len > 0:

@@ -4,6 +4,7 @@ import random
 import pytest
 import torch
 
+from pdserve.model import attention, cpu_kernels
 from pdserve.model.attention import paged_attention, write_kv
 from tests.helpers_models import make_attn_metadata
 
@@ -50,6 +51,30 @@ def run_batch(query_lens, seq_lens, seed=0):
     return out, expected
 
 
+@pytest.fixture(params=["auto", "reference"])
+def backend(request, monkeypatch):
+    """Each test once with the CPU decode kernel (auto) and once in plain torch; counts the kernel's runs."""
+    monkeypatch.setattr(attention, "BACKEND", request.param)
+    runs = []
+    real = cpu_kernels.decode_attention
+
+    def counted(*args):
+        done = real(*args)
+        runs.append(done)
+        return done
+    monkeypatch.setattr(cpu_kernels, "decode_attention", counted)
+    return request.param, runs
+
+
+def expect_kernel(backend, num_decodes_first):
+    """In auto mode the leading decodes went through the kernel (when it builds here), else never."""
+    name, runs = backend
+    if name == "reference" or not num_decodes_first:
+        assert runs == []
+    elif cpu_kernels.available():
+        assert runs == [True]
+
+
 def test_write_kv_lands_in_the_right_block_and_slot():
     kv_cache = torch.zeros(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k, v = torch.randn(3, NUM_KV_HEADS, HEAD_DIM), torch.randn(3, NUM_KV_HEADS, HEAD_DIM)
@@ -66,17 +91,28 @@ def test_write_kv_lands_in_the_right_block_and_slot():
     ([7, 5, 1, 1, 1, 3, 4], [7, 13, 9, 1, 16, 4, 12]),
     ([1, 6, 1], [17, 6, 5]),  # decodes around a prefill
 ])
-def test_mixed_batch_matches_dense(query_lens, seq_lens):
+def test_mixed_batch_matches_dense(query_lens, seq_lens, backend):
     out, expected = run_batch(query_lens, seq_lens)
     assert out.shape == (sum(query_lens), NUM_HEADS, HEAD_DIM)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    expect_kernel(backend, query_lens[0] == 1)
 
 
-def test_pure_decode_batch_matches_dense():
+def test_decodes_first_then_prefill_chunks_match_dense(backend):
+    """The runner's order: the kernel takes the leading decodes, plain torch the chunks after them."""
+    query_lens, seq_lens = [1, 1, 1, 6, 3], [17, 1, 33, 6, 9]
+    out, expected = run_batch(query_lens, seq_lens, seed=3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    expect_kernel(backend, 3)
+
+
+def test_pure_decode_batch_matches_dense(backend):
     out, expected = run_batch([1] * 6, [1, 4, 5, 8, 13, 30], seed=1)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    expect_kernel(backend, 6)
 
 
-def test_pure_prefill_batch_matches_dense():
+def test_pure_prefill_batch_matches_dense(backend):
     out, expected = run_batch([9, 4, 2], [9, 4, 2], seed=2)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    expect_kernel(backend, 0)

@@ -1,0 +1,91 @@
+"""A/B of one CPU fast path inside one engine, alternating step by step so that the noisy shared machine
+affects both sides alike.
+
+    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear [--threads 2] [--batch 64]
+        [--prompt-len 256] [--steps 12] [--out F.json]
+
+  attention  the C decode attention kernel (model/cpu_kernels.py) against plain torch (BACKEND reference)
+  linear     oneDNN's linear against ATen's F.linear (layers.CPU_ONEDNN_LINEAR)
+
+Prefills `batch` random prompts, then times pure-decode steps (schedule + execute + update) with the
+path on and off in turn (ABBA order), and one decode step of a single sequence the same way (the
+single-stream TPOT's engine part). Timing only: token identity is the test suite's job
+(tests/engine/test_llm_greedy.py runs with both fast paths on).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from pdserve.engine.llm import LLM
+from pdserve.model import attention, layers
+from pdserve.sampling_params import SamplingParams
+
+
+def set_linear(on: bool) -> None:
+    layers.CPU_ONEDNN_LINEAR = on
+
+
+def set_attention(on: bool) -> None:
+    attention.BACKEND = "auto" if on else "reference"
+
+
+SWITCHES = {"linear": (set_linear, "onednn", "aten"), "attention": (set_attention, "kernel", "torch")}
+
+
+def run(switch: str, batch: int, prompt_len: int, steps: int, threads: int) -> dict:
+    flip, on_name, off_name = SWITCHES[switch]
+    llm = LLM("default", num_threads=threads, max_num_seqs=batch, enable_prefix_caching=False)
+    engine = llm.engine
+    rng = random.Random(0)
+    for _ in range(batch):
+        llm.add([rng.randrange(1000, 20000) for _ in range(prompt_len)],
+                SamplingParams(max_tokens=steps * 2 + 8, temperature=0, ignore_eos=True))
+
+    def step():
+        out = engine.scheduler.schedule()
+        engine.scheduler.update_from_output(out, engine.runner.execute_model(out))
+        return out
+
+    while len((out := step()).scheduled) != batch or out.num_scheduled_tokens != batch:
+        pass
+    times = {True: [], False: []}
+    for i in range(steps * 2):
+        flag = (i % 4) in (0, 3)   # ABBA
+        flip(flag)
+        start = time.perf_counter()
+        step()
+        times[flag].append(time.perf_counter() - start)
+    flip(True)
+    llm.shutdown()
+    return {"batch": batch, "prompt_len": prompt_len, f"{on_name}_ms": [round(t * 1e3, 1) for t in times[True]],
+            f"{off_name}_ms": [round(t * 1e3, 1) for t in times[False]],
+            f"{on_name}_median_ms": round(statistics.median(times[True]) * 1e3, 1),
+            f"{off_name}_median_ms": round(statistics.median(times[False]) * 1e3, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--switch", choices=list(SWITCHES), required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    _, on_name, off_name = SWITCHES[args.switch]
+    results = [run(args.switch, b, args.prompt_len, args.steps, args.threads) for b in (args.batch, 1)]
+    for r in results:
+        on, off = r[f"{on_name}_median_ms"], r[f"{off_name}_median_ms"]
+        print(f"batch {r['batch']} x {r['prompt_len']} tokens: decode step median {on_name} {on} ms, "
+              f"{off_name} {off} ms ({off / on:.2f}x)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"switch": args.switch, "threads": args.threads, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

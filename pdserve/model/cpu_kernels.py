@@ -1,0 +1,122 @@
+"""The CPU's own kernels (model/csrc/*.c), built with the machine's C compiler at first use.
+
+A plain C shared library called through ctypes, not a torch extension: it builds in about a second
+(a torch extension compiles torch's headers for a minute), needs nothing but gcc, and links the libgomp
+torch already loaded, so it runs on torch's OpenMP threads. The library lands in a cache directory keyed
+by the source, the flags, the compiler and the CPU, since -march=native code must not run on another CPU.
+When no compiler works, the caller falls back to plain torch: one warning, the same answers, slower.
+$PDSERVE_CPU_KERNELS=0 turns the kernels off; $PDSERVE_KERNEL_CACHE moves the cache.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_attention.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+ENABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"
+_COMPILE_TIMEOUT_S = 120
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("PDSERVE_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pdserve" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    target = cache_dir() / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a private name and renamed: engines starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                timeout=_COMPILE_TIMEOUT_S)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if not ENABLED:
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    try:
+        if compiler is None:
+            raise RuntimeError("no C compiler (gcc or cc) on PATH")
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU decode attention kernel unavailable, using plain torch (slower): %s", exc)
+        return None
+    fn = lib.pdserve_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [
+        ctypes.c_float]
+    _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, out: torch.Tensor) -> bool:
+    """One query token per sequence, straight from the paged cache, into out. False when the kernel is
+    unavailable or the inputs are outside what it handles (the caller then runs plain torch).
+
+    q, out: [n, heads, dim] float32; kv_layer: [blocks, 2, slots, kv_heads, dim] (a layer's view);
+    block_tables: [n, max_blocks] int32; seq_lens: [n] int32, each >= 1.
+    """
+    lib = _load()
+    if lib is None or q.dtype != torch.float32 or kv_layer.dtype != torch.float32 or q.device.type != "cpu":
+        return False
+    num_blocks, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    if kv_layer.stride()[2:] != (num_kv_heads * head_dim, head_dim, 1) or not out.is_contiguous():
+        return False
+    q = q.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    rc = lib.pdserve_decode_attention(
+        q.data_ptr(), kv_layer.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+        q.shape[0], block_tables.shape[1], num_blocks, kv_layer.stride(0), kv_layer.stride(1), block_size,
+        q.shape[1], num_kv_heads, head_dim, scale)
+    return rc == 0

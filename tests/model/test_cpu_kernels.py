@@ -1,0 +1,107 @@
+"""The CPU decode attention kernel (model/csrc/cpu_decode_attention.c) against plain torch, and its ways
+out: inputs it refuses, and no compiler at all."""
+import logging
+
+import pytest
+import torch
+
+from pdserve.model import cpu_kernels
+from pdserve.model.attention import _prefill_attention
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here")
+
+
+def paged_case(seq_lens, num_heads, num_kv_heads, head_dim=64, block_size=16, num_layers=2, seed=0):
+    """A layer view of a cache with scattered blocks, queries, block tables and lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(per_seq) + 3
+    kv = torch.randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.zeros(len(seq_lens), max(per_seq) + 2, dtype=torch.int32)   # padded with 0, as the runner does
+    for i, n in enumerate(per_seq):
+        table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    return q, kv[:, num_layers - 1], table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def torch_decode(q, kv_layer, table, seq_lens, scale):
+    block_size = kv_layer.shape[2]
+    return torch.cat([_prefill_attention(q[i:i + 1], kv_layer, table[i], int(seq_lens[i]), block_size, scale)
+                      for i in range(q.shape[0])])
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (32, 8), (8, 1)])
+def test_the_kernel_matches_torch(num_heads, num_kv_heads):
+    # lengths: one token, a block boundary either side, and one long enough that a task's scores leave
+    # the stack buffer (2,500 tokens x 3 heads of a group > 4,096)
+    seq_lens = [1, 15, 16, 17, 300, 2500]
+    q, kv_layer, table, lens = paged_case(seq_lens, num_heads, num_kv_heads)
+    out = torch.full_like(q, float("nan"))
+    assert cpu_kernels.decode_attention(q, kv_layer, table, lens, 0.125, out)
+    torch.testing.assert_close(out, torch_decode(q, kv_layer, table, lens, 0.125), atol=2e-6, rtol=1e-5)
+
+
+def test_a_non_contiguous_query_is_read_right():
+    q, kv_layer, table, lens = paged_case([40, 7], 6, 2, head_dim=32)
+    wide = torch.randn(2, 6, 96)
+    wide[:, :, 16:48] = q   # q as a strided view, like the slice of a fused projection
+    out = torch.empty_like(q)
+    assert cpu_kernels.decode_attention(wide[:, :, 16:48], kv_layer, table, lens, 0.2, out)
+    torch.testing.assert_close(out, torch_decode(q, kv_layer, table, lens, 0.2), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spoil", ["block id past the cache", "negative block id", "zero length",
+                                   "length past the table", "heads not a multiple", "head_dim 48",
+                                   "17 query heads per KV head"])
+def test_inputs_it_cannot_serve_are_refused_not_read(spoil):
+    q, kv_layer, table, lens = paged_case([20, 33], 6, 2)
+    if spoil == "block id past the cache":
+        table[1, 2] = kv_layer.shape[0]
+    elif spoil == "negative block id":
+        table[0, 0] = -1
+    elif spoil == "zero length":
+        lens[0] = 0
+    elif spoil == "length past the table":
+        lens[1] = table.shape[1] * kv_layer.shape[2] + 1
+    elif spoil == "heads not a multiple":
+        q = torch.randn(2, 5, 64)
+    elif spoil == "head_dim 48":
+        q, kv_layer, table, lens = paged_case([20, 33], 6, 2, head_dim=48)
+    else:
+        q, kv_layer, table, lens = paged_case([20, 33], 17, 1)
+    out = torch.zeros_like(q)
+    assert not cpu_kernels.decode_attention(q, kv_layer, table, lens, 0.125, out)
+
+
+def test_other_dtypes_go_to_torch():
+    q, kv_layer, table, lens = paged_case([5], 4, 2)
+    out = torch.empty_like(q, dtype=torch.bfloat16)
+    assert not cpu_kernels.decode_attention(q.bfloat16(), kv_layer.bfloat16(), table, lens, 0.125, out)
+
+
+def test_no_compiler_means_plain_torch_and_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    with caplog.at_level(logging.WARNING, logger="pdserve.model.cpu_kernels"):
+        assert not cpu_kernels.available()
+        q, kv_layer, table, lens = paged_case([5], 4, 2)
+        assert not cpu_kernels.decode_attention(q, kv_layer, table, lens, 0.125, torch.empty_like(q))
+    assert len(caplog.records) == 1 and "plain torch" in caplog.records[0].getMessage()
+    assert list(tmp_path.iterdir()) == []   # no half-built library left behind
+
+
+def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    assert cpu_kernels.available()
+    built = list(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    assert cpu_kernels.available()
+    assert list(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
