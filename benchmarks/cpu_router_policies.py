@@ -41,14 +41,17 @@ WORKLOADS = {
 }
 
 
-def run_one(args: argparse.Namespace, policy: str, threshold: int, workload: str, work: Path) -> dict:
+def run_one(args: argparse.Namespace, policy: str, threshold: int, tolerance: float | None, workload: str,
+            work: Path) -> dict:
     url = f"http://127.0.0.1:{args.port}"
-    name = f"{workload}-{policy}-{threshold}"
+    name = f"{workload}-{policy}-{threshold}-{tolerance}"
     procs.refuse_if_answering(url)
     work.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pdserve", "up", "--num-prefill", str(args.num_prefill), "--num-decode",
            str(args.num_decode), "--port", str(args.port), "--policy", policy,
            "--pd-min-prompt-tokens", str(threshold)]
+    if tolerance is not None:
+        cmd += ["--cost-tolerance", str(tolerance)]
     proc = procs.start(cmd, work / f"{name}.up.log")
     try:
         procs.wait_ready(url, proc, 600)
@@ -69,7 +72,7 @@ def run_one(args: argparse.Namespace, policy: str, threshold: int, workload: str
         ttfts = [r["ttft"] * 1e3 for r in result.get("requests", [])
                  if r.get("success") and r.get("ttft") is not None and keep(r.get("prompt_tokens") or 0)]
         by_length[label] = {"n": len(ttfts), "p50": statistics.median(ttfts) if ttfts else None}
-    return {"workload": workload, "policy": policy, "pd_min_prompt_tokens": threshold,
+    return {"workload": workload, "policy": policy, "pd_min_prompt_tokens": threshold, "cost_tolerance": tolerance,
             "num_completed": metrics["num_completed"], "num_failed": metrics["num_failed"],
             "ttft_ms": metrics["ttft_ms"], "tpot_ms": metrics["tpot_ms"], "e2e_ms": metrics["e2e_ms"],
             "request_throughput": metrics["request_throughput"], "per_turn": metrics.get("per_turn"),
@@ -80,7 +83,8 @@ def run_one(args: argparse.Namespace, policy: str, threshold: int, workload: str
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="POLICY:T,... (T: --pd-min-prompt-tokens)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="POLICY:T[:F],... (T: --pd-min-prompt-tokens; F: --cost-tolerance, else the router's default)")
     p.add_argument("--workloads", default="multi-turn,mixed")
     p.add_argument("--num-prefill", type=int, default=2)
     p.add_argument("--num-decode", type=int, default=2)
@@ -91,15 +95,19 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=None, help="mixed: requests per run (default 80)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    configs = [(c.split(":")[0], int(c.split(":")[1]) if ":" in c else 0) for c in args.configs.split(",")]
+    configs = []
+    for c in args.configs.split(","):
+        fields = c.split(":")
+        configs.append((fields[0], int(fields[1]) if len(fields) > 1 else 0,
+                        float(fields[2]) if len(fields) > 2 else None))
     runs = []
     with tempfile.TemporaryDirectory(prefix="pdserve-policies-") as tmp:
         for workload in args.workloads.split(","):
             for repeat in range(args.repeats):
-                for policy, threshold in (configs if repeat % 2 == 0 else configs[::-1]):
-                    print(f"[policies] {workload} run {repeat + 1}: {policy}, pd-min-prompt-tokens {threshold}",
-                          flush=True)
-                    run = run_one(args, policy, threshold, workload, Path(tmp) / str(repeat))
+                for policy, threshold, tolerance in (configs if repeat % 2 == 0 else configs[::-1]):
+                    print(f"[policies] {workload} run {repeat + 1}: {policy}, pd-min-prompt-tokens {threshold}, "
+                          f"cost-tolerance {tolerance}", flush=True)
+                    run = run_one(args, policy, threshold, tolerance, workload, Path(tmp) / str(repeat))
                     run["repeat"] = repeat
                     runs.append(run)
                     short, long = (run["ttft_ms_by_prompt_length"][k]["p50"] for k in ("short", "long"))
@@ -113,13 +121,13 @@ def main() -> int:
         run["ttft_p50_vs_round_robin"] = run["ttft_ms"]["p50"] / base["ttft_ms"]["p50"]
     summary = []
     for workload in args.workloads.split(","):
-        for policy, threshold in configs:
-            mine = [r for r in runs if (r["workload"], r["policy"], r["pd_min_prompt_tokens"]) ==
-                    (workload, policy, threshold)]
+        for policy, threshold, tolerance in configs:
+            mine = [r for r in runs if (r["workload"], r["policy"], r["pd_min_prompt_tokens"], r["cost_tolerance"]) ==
+                    (workload, policy, threshold, tolerance)]
             p50s = [r["ttft_ms"]["p50"] for r in mine]
             ratios = [r["ttft_p50_vs_round_robin"] for r in mine]
             summary.append({"workload": workload, "policy": policy, "pd_min_prompt_tokens": threshold,
-                            "runs": len(mine), "ttft_p50_ms_mean": statistics.mean(p50s),
+                            "cost_tolerance": tolerance, "runs": len(mine), "ttft_p50_ms_mean": statistics.mean(p50s),
                             "ttft_p50_ms_min": min(p50s), "ttft_p50_ms_max": max(p50s),
                             "ttft_p90_ms_mean": statistics.mean(r["ttft_ms"]["p90"] for r in mine),
                             "tpot_p50_ms_mean": statistics.mean(r["tpot_ms"]["p50"] for r in mine),
@@ -129,7 +137,8 @@ def main() -> int:
     print(f"\n{'workload':<12}{'policy':<17}{'T':>5}{'runs':>5}{'TTFT p50':>10}{'min-max':>15}{'p90':>9}"
           f"{'TPOT p50':>10}{'vs rr':>7}{'min-max':>12}{'failed':>8}")
     for r in summary:
-        print(f"{r['workload']:<12}{r['policy']:<17}{r['pd_min_prompt_tokens']:>5}{r['runs']:>5}"
+        label = r["policy"] if r["cost_tolerance"] is None else f"{r['policy']} tol {r['cost_tolerance']:g}"
+        print(f"{r['workload']:<12}{label:<17}{r['pd_min_prompt_tokens']:>5}{r['runs']:>5}"
               f"{r['ttft_p50_ms_mean']:>10.1f}{r['ttft_p50_ms_min']:>8.0f}-{r['ttft_p50_ms_max']:<6.0f}"
               f"{r['ttft_p90_ms_mean']:>9.1f}{r['tpot_p50_ms_mean']:>10.1f}{r['vs_round_robin_mean']:>7.2f}"
               f"{r['vs_round_robin_min']:>7.2f}-{r['vs_round_robin_max']:<4.2f}{r['num_failed']:>8}")

@@ -79,8 +79,8 @@ from pdserve.router.hops import BODY_BYTES, JSON, encode_json, prefill_hop, push
 from pdserve.router.instances import Instance, Ticket
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.monitor import DEFAULT_EJECT_AFTER, DEFAULT_POLL_INTERVAL_S, Monitor, StartupError
-from pdserve.router.policy import (DEFAULT_MAX_HELD_FRACTION, DEFAULT_PD_MIN_PROMPT_TOKENS, POLICIES, Route,
-                                   Router, RouterConfig, RouteRequest)
+from pdserve.router.policy import (DEFAULT_COST_TOLERANCE, DEFAULT_MAX_HELD_FRACTION, DEFAULT_PD_MIN_PROMPT_TOKENS,
+                                   POLICIES, Route, Router, RouterConfig, RouteRequest)
 from pdserve.router.recovery import final_hop
 from pdserve.tokenization import apply_chat_template, tokenize
 
@@ -523,6 +523,10 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                         "(or that a D holds all but T tokens of) goes straight to a decode or colocated instance, "
                         "which prefills it itself; 0: always disaggregate while a P can take it "
                         f"(default {DEFAULT_PD_MIN_PROMPT_TOKENS})")
+    g.add_argument("--cost-tolerance", type=float, default=DEFAULT_COST_TOLERANCE, metavar="F",
+                   help="cost: instances whose estimated time to first token is within this fraction of the best "
+                        "one's count as equal and take turns, since the learned rates are noisy "
+                        f"(default {DEFAULT_COST_TOLERANCE:g}; 0: always the lowest estimate)")
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -578,7 +582,8 @@ def main_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = RouterConfig(pd_min_prompt_tokens=args.pd_min_prompt_tokens,
-                              max_per_instance=args.max_per_instance, max_held_fraction=args.max_held_fraction)
+                              max_per_instance=args.max_per_instance, max_held_fraction=args.max_held_fraction,
+                              cost_tolerance=args.cost_tolerance)
         tokenizer = None
         if args.model is not None:
             from pdserve.model.loader import load_tokenizer

@@ -249,6 +249,28 @@ def test_cost_spreads_over_equal_decodes_by_their_running_batch():
     assert picks.count("decode-0") == picks.count("decode-1") == 3
 
 
+def test_cost_takes_turns_between_instances_whose_estimates_differ_by_noise():
+    # The bug: two idle Ps whose learned rates differed by 10 % got every prompt on the faster-measured one
+    # (CPU, mixed workload: 1.18x round-robin's TTFT). Within cost_tolerance they now take turns; a
+    # difference beyond it (a queue, a cached prefix) still decides.
+    def learned_prefill(name, seconds_per_10k):
+        p = inst(name, num_prompt_tokens_computed_total=0, busy_seconds_total=0.0)
+        p.update({"boot_id": "b", "num_prompt_tokens_computed_total": 10000, "busy_seconds_total": seconds_per_10k},
+                 now=0.1)
+        return p
+    fast, slow = learned_prefill("prefill-0", 1.0), learned_prefill("prefill-1", 1.1)
+    router = Router([fast, slow, inst("decode-0")], policy="cost")
+    picks = [router.route(req()).prefill.name for _ in range(4)]
+    assert picks == ["prefill-0", "prefill-1", "prefill-0", "prefill-1"]
+    exact = Router([fast, slow, inst("decode-0")], policy="cost", config=RouterConfig(cost_tolerance=0.0))
+    assert {exact.route(req()).prefill.name for _ in range(4)} == {"prefill-0"}
+    far = learned_prefill("prefill-1", 1.5)
+    router = Router([fast, far, inst("decode-0")], policy="cost")
+    assert {router.route(req()).prefill.name for _ in range(4)} == {"prefill-0"}
+    with pytest.raises(ValueError, match="cost_tolerance"):
+        RouterConfig(cost_tolerance=1.5)
+
+
 def test_the_step_time_of_a_decode_grows_with_its_batch_as_measured():
     d = learned_decode("decode-0", [(2, 0.020)] * 3 + [(10, 0.060)] * 3 + [(2, 0.020)] * 3)
     assert d.decode_step_s_at(10) > d.decode_step_s_at(2) > 0
