@@ -20,6 +20,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Every Process started and not yet stopped: a module that leaves one running fails (tests/e2e/conftest.py),
+# since a leftover server keeps a core busy (and its ports taken) for every test after it.
+LIVE: set["Process"] = set()
+
+
 class Process:
     """`python -m pdserve ARGS --port FREE_PORT`, its output in LOG_DIR/pdserve-NAME-PORT.log; `env`
     adds variables (e.g. CUDA_VISIBLE_DEVICES)."""
@@ -39,6 +44,7 @@ class Process:
         self.router_key = env.get("PDSERVE_ROUTER_KEY")   # the test plays the router: it sends the key
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *self.args, "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        LIVE.add(self)
 
     def _lost_its_port(self) -> bool:
         """Exited because the port it was given had been taken between free_port() and its bind (on a
@@ -75,6 +81,7 @@ class Process:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        LIVE.discard(self)
 
     def pids(self) -> list[int]:
         """The server's PID and its descendants' (the engine process holds the KV cache, NIXL and the

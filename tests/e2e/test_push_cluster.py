@@ -26,19 +26,19 @@ def push_instance(name: str, role: str) -> Process:
 
 @pytest.fixture(scope="module")
 def cluster():
-    started: list[Process] = []
+    nodes: dict[str, Process] = {}  # a test may restart one in place: stop what is here at the end
     try:
-        started += [push_instance("prefill", "producer"), push_instance("decode", "consumer"), serve("colocated")]
-        for p in started:
+        nodes["prefill"] = push_instance("prefill", "producer")
+        nodes["decode"] = push_instance("decode", "consumer")
+        nodes["colocated"] = serve("colocated")
+        for p in list(nodes.values()):
             p.wait_healthy()
-        prefill, decode, colocated = started
-        proxy = Process(["proxy", "--prefill", prefill.url, "--decode", decode.url], "push-proxy",
-                        env={"PDSERVE_ROUTER_KEY": ROUTER_KEY})
-        started.append(proxy)
-        proxy.wait_healthy(60)
-        yield {"prefill": prefill, "decode": decode, "colocated": colocated, "proxy": proxy}
+        nodes["proxy"] = Process(["proxy", "--prefill", nodes["prefill"].url, "--decode", nodes["decode"].url],
+                                 "push-proxy", env={"PDSERVE_ROUTER_KEY": ROUTER_KEY})
+        nodes["proxy"].wait_healthy(60)
+        yield nodes
     finally:
-        for p in reversed(started):
+        for p in reversed(list(nodes.values())):
             p.stop()
 
 
