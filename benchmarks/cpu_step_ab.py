@@ -29,11 +29,15 @@ def set_linear(on: bool) -> None:
     layers.CPU_ONEDNN_LINEAR = on
 
 
+def set_packed(on: bool) -> None:
+    layers.CPU_PACKED_LINEAR = on
+
+
 def set_attention(on: bool) -> None:
     attention.BACKEND = "auto" if on else "reference"
 
 
-SWITCHES = {"linear": (set_linear, "onednn", "aten"), "attention": (set_attention, "kernel", "torch")}
+SWITCHES = {"linear": (set_linear, "onednn", "aten"), "packed": (set_packed, "mkl_packed", "onednn_aten"), "attention": (set_attention, "kernel", "torch")}
 
 
 def run(switch: str, batch: int, prompt_len: int, steps: int, threads: int) -> dict:

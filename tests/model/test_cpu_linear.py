@@ -1,5 +1,5 @@
-"""layers.linear on CPU: oneDNN where it measured faster, ATen's F.linear elsewhere; the same numbers
-either way up to float32 summation order."""
+"""layers.linear on CPU: MKL's packed GEMM on Intel, else oneDNN where it measured faster, ATen's F.linear
+elsewhere; the same numbers every way up to float32 summation order."""
 from __future__ import annotations
 
 import pytest
@@ -29,6 +29,7 @@ def test_the_cpu_build_has_onednn():
 
 
 def test_the_choice_goes_by_the_weight_never_by_the_batch(monkeypatch):
+    monkeypatch.setattr(layers, "CPU_PACKED_LINEAR", False)
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(layers, "_onednn", lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
@@ -46,7 +47,45 @@ def test_non_contiguous_input_and_off_switch(monkeypatch):
     w = torch.randn(1024, 1024)
     torch.testing.assert_close(layers.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
     monkeypatch.setattr(layers, "CPU_ONEDNN_LINEAR", False)
+    monkeypatch.setattr(layers, "CPU_PACKED_LINEAR", False)
     assert torch.equal(layers.linear(x, w), F.linear(x, w))
+
+
+needs_packed = pytest.mark.skipif(not (layers._intel_cpu() and layers._mkl_packed_works()),
+                                  reason="MKL's packed GEMM is used on Intel CPUs only")
+
+
+@needs_packed
+def test_packed_path_serves_every_weight_at_every_batch(monkeypatch):
+    calls = []
+    real = layers._packed_linear
+    monkeypatch.setattr(layers, "_packed_linear", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
+    for rows in (1, 3, 64, 300):
+        for w in (torch.randn(2048, 576), torch.randn(96, 576)):
+            x = torch.randn(rows, 576)
+            torch.testing.assert_close(layers.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert calls == [1, 1, 3, 3, 64, 64, 300, 300]
+
+
+@needs_packed
+def test_a_weight_written_in_place_is_packed_again():
+    """A reload copies into the same tensor: the packed copy made before must not be served after."""
+    w = torch.randn(512, 576)
+    x = torch.randn(8, 576)
+    layers.linear(x, w)
+    w.copy_(torch.randn(512, 576))
+    torch.testing.assert_close(layers.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_packed
+def test_a_new_weight_at_a_freed_weights_address_gets_its_own_packing():
+    """(A first version keyed the packed copies by address: a tensor allocated where a freed one lay
+    was served the freed one's weights.)"""
+    for seed in range(6):
+        w = torch.randn(512, 576, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(8, 576)
+        torch.testing.assert_close(layers.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+        del w
 
 
 def test_other_dtypes_and_empty_batches_take_f_linear():
