@@ -1,11 +1,12 @@
 """A/B of one CPU fast path inside one engine, alternating step by step so that the noisy shared machine
 affects both sides alike.
 
-    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear [--threads 2] [--batch 64]
+    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear|packed [--threads 2] [--batch 64]
         [--prompt-len 256] [--steps 12] [--out F.json]
 
   attention  the C decode attention kernel (model/cpu_kernels.py) against plain torch (BACKEND reference)
   linear     oneDNN's linear against ATen's F.linear (layers.CPU_ONEDNN_LINEAR)
+  packed     MKL's packed GEMM (layers.CPU_PACKED_LINEAR, Intel only) against the oneDNN/ATen rule
 
 Prefills `batch` random prompts, then times pure-decode steps (schedule + execute + update) with the
 path on and off in turn (ABBA order), and one decode step of a single sequence the same way (the
@@ -37,7 +38,8 @@ def set_attention(on: bool) -> None:
     attention.BACKEND = "auto" if on else "reference"
 
 
-SWITCHES = {"linear": (set_linear, "onednn", "aten"), "packed": (set_packed, "mkl_packed", "onednn_aten"), "attention": (set_attention, "kernel", "torch")}
+SWITCHES = {"linear": (set_linear, "onednn", "aten"), "packed": (set_packed, "mkl_packed", "onednn_aten"),
+            "attention": (set_attention, "kernel", "torch")}
 
 
 def run(switch: str, batch: int, prompt_len: int, steps: int, threads: int) -> dict:

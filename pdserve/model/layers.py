@@ -43,11 +43,11 @@ def _onednn_linear_works() -> bool:
 
 # On Intel CPUs every float32 linear layer runs through MKL with its weight packed once (MKL's packed
 # GEMM, what torch.compile's CPU freezing uses): the per-call repacking of the weight goes away. Measured
-# on a 2-core Intel Xeon (AVX-512) with 2 threads (docs/benchmarks.md, issue 15): 64 rows, LM head 26.7 ms
-# against oneDNN's 32.6 and F.linear's 29.4, gate_up 0.96 against 1.41 and 1.34 ms; a 64-sequence decode
-# step 336 against 387 ms, one sequence 68 against 76 ms. Not on other vendors: on the AMD machine MKL's
-# F.linear ran the LM head at less than half oneDNN's speed, and the packed path was not measured there.
-# Costs one more copy of the weights in memory (+520 MiB resident for the default model).
+# on a 2-core Intel Xeon (AVX-512) with 2 threads (docs/benchmarks.md, issue 15, benchmarks/cpu_step_ab.py
+# --switch packed): a 64-sequence decode step 336 against 387 ms, one sequence 68 against 76 ms. Not on
+# other vendors: on the AMD machine MKL's F.linear ran the LM head at less than half oneDNN's speed, and
+# the packed path was not measured there. Costs one more copy of the weights in memory
+# (benchmarks/cpu_packed_memory.py).
 # PDSERVE_CPU_PACKED_LINEAR=0: off (then the oneDNN rule above).
 CPU_PACKED_LINEAR = os.environ.get("PDSERVE_CPU_PACKED_LINEAR", "1") == "1"
 _PACK_HINT_ROWS = 64

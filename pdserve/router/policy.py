@@ -177,7 +177,7 @@ class RoutingPolicy:
         the next in round-robin order."""
         scores = [key(inst) for inst in candidates]
         low = min(scores)
-        tolerance = tolerance * max(1e-9, abs(low)) + 1e-12
+        tolerance = tolerance * abs(low) + 1e-12
         return self.rotate(stage, [inst for inst, s in zip(candidates, scores) if s <= low + tolerance], choice,
                            commit)
 
