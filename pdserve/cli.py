@@ -21,6 +21,7 @@ DESCRIPTION = """pdserve: an LLM server with prefill/decode disaggregation and a
   pdserve serve               start one instance (colocated, or a P or D with --kv-role)
   pdserve proxy               put the router in front of prefill, decode and colocated instances
   pdserve status [URL]        print a router's instances, their health and load
+  pdserve kv-store            a KV block pool the instances share (--kv-connector store)
   pdserve bench serve|sweep   measure any OpenAI-compatible endpoint
 """
 
@@ -66,17 +67,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefill/decode disaggregation")
-    g.add_argument("--kv-connector", default=None, choices=["nixl", "nixl-push", "cuda_ipc", "loopback"],
+    g.add_argument("--kv-connector", default=None, choices=["nixl", "nixl-push", "cuda_ipc", "store", "loopback"],
                    help="enable P/D handoff through this connector: nixl (D reads P's blocks; any host, DRAM or "
                         "VRAM), nixl-push (the router sends the request to P and D at once and P writes into "
                         "blocks D announced), cuda_ipc (processes on one host: CUDA IPC, or shared memory on "
-                        "CPU), loopback (engines in one process, for tests)")
+                        "CPU), store (P inserts its prompt's blocks into a `pdserve kv-store` pool, any "
+                        "instance loads the longest stored prefix of a prompt: P/D and cross-instance "
+                        "prefix reuse; needs --kv-store), loopback (engines in one process, for tests)")
+    g.add_argument("--kv-store", default=None, metavar="HOST:PORT",
+                   help="the `pdserve kv-store` this instance uses (--kv-connector store)")
     g.add_argument("--kv-role", default="both", choices=KV_ROLES,
                    help="producer: a prefill instance (P); consumer: a decode instance (D)")
     g.add_argument("--engine-id", default=None, help="this instance's id in kv_transfer_params")
     g.add_argument("--kv-transfer-config", default=None,
                    help='JSON: {"lease_seconds": 30, "kv_load_failure_policy": "fail"|"recompute", '
-                        '"side_channel_port": 0, "heartbeat_seconds": 5, "enable_prog_thread": false}')
+                        '"side_channel_port": 0, "heartbeat_seconds": 5, "enable_prog_thread": false}; store: '
+                        '"store_wait_seconds": 10 (how long D waits for P\'s insert), "store_drop_after_read": '
+                        'false (free a prompt\'s blocks once read)')
 
 
 def _add_server_args(p: argparse.ArgumentParser, port: int = 8000) -> None:
@@ -139,9 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode (consumer) instances; on CPU the cores are split evenly among all instances, "
                          "on CUDA each instance gets one GPU")
     _add_model_args(up)
-    up.add_argument("--kv-connector", default="nixl", choices=["nixl", "nixl-push", "cuda_ipc"],
+    up.add_argument("--kv-connector", default="nixl", choices=["nixl", "nixl-push", "cuda_ipc", "store"],
                     help="how the KV moves: nixl and cuda_ipc pull (D reads P's blocks after P's answer), "
-                         "nixl-push pushes (P writes into D's blocks as soon as its prefill is done)")
+                         "nixl-push pushes (P writes into D's blocks as soon as its prefill is done), store "
+                         "goes through a `pdserve kv-store` that `up` starts (every instance, colocated ones "
+                         "too, inserts and loads prompts there)")
+    up.add_argument("--kv-store-capacity", default="1GiB",
+                    help="with --kv-connector store: the pool's size, e.g. 4GiB")
     up.add_argument("--kv-transfer-config", default=None, help="JSON passed to every instance")
     up.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step of each instance")
     up.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once, per instance")
@@ -168,6 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more `pdserve proxy` flags, e.g. --proxy-args='--max-per-instance 64'")
     up.set_defaults(func=up_main)
 
+    from pdserve.kv_store.server import add_arguments as add_kv_store_arguments
+    store = sub.add_parser("kv-store", help="a KV block pool shared by instances (--kv-connector store)",
+                           description="A pool of KV blocks keyed by the prefix cache's chained block hash, "
+                                       "with LRU eviction: P instances insert their prompts' blocks, any "
+                                       "instance loads the longest stored prefix of a prompt. Data moves "
+                                       "by NIXL between the instances and the pool's memory; control over "
+                                       "a small side channel on --host:--port.")
+    add_kv_store_arguments(store)
+    store.add_argument("--router-key", default=os.environ.get(ROUTER_KEY_ENV),
+                       help=f"the cluster's secret (default: ${ROUTER_KEY_ENV}): every message must be signed "
+                            f"with it. Required on a non-loopback address")
+    store.set_defaults(func=kv_store_main)
+
     status = sub.add_parser("status", help="print a router's instances, their health and load",
                             description="Ask a pdserve router (`pdserve up` or `pdserve proxy`) for GET /cluster "
                                         "and print its instances as a table.")
@@ -184,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv = KVTransferConfig.from_json(args.kv_transfer_config, kv_connector=args.kv_connector,
-                                    kv_role=args.kv_role, engine_id=args.engine_id)
+                                    kv_role=args.kv_role, engine_id=args.engine_id, kv_store=args.kv_store)
     kv.auth_key = args.router_key
     if kv.kv_connector is not None:
         if args.router_key is None and args.host not in LOOPBACK_HOSTS:
@@ -301,7 +325,16 @@ def up_main(args: argparse.Namespace) -> int:
                        kv_connector=args.kv_connector, prefill_args=role_args["prefill"],
                        decode_args=role_args["decode"], api_key=args.api_key,
                        num_colocated=args.num_colocated, colocated_args=role_args["colocated"], gpus=gpus,
-                       proxy_args=routing_args + role_args["proxy"])
+                       proxy_args=routing_args + role_args["proxy"], kv_store_capacity=args.kv_store_capacity)
+
+
+def kv_store_main(args: argparse.Namespace) -> int:
+    from pdserve.kv_store.server import main as kv_store
+    if args.router_key is None and args.host not in LOOPBACK_HOSTS:
+        print(f"pdserve kv-store: a store on {args.host} would serve KV to anyone; set ${ROUTER_KEY_ENV} "
+              f"(or --router-key) here and on the instances", file=sys.stderr)
+        return 2
+    return kv_store(args, auth_key=args.router_key)
 
 
 def status_main(args: argparse.Namespace) -> int:

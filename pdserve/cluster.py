@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,13 +121,16 @@ RESTART_WINDOW_S = 600.0
 def instance_command(role: str, index: int, port: int, *, model: str, host: str, serve_args: Sequence[str],
                      role_args: Sequence[str], kv_connector: str, kv_transfer_config: str | None,
                      cores: Sequence[int] | None, num_threads: int | None = None,
-                     gpu_memory_utilization: float | None = None) -> list[str]:
+                     gpu_memory_utilization: float | None = None, kv_store: str | None = None) -> list[str]:
     """`pdserve serve` for one instance: the shared flags, then the role's own (later flags win, so
     --prefill-args / --decode-args override what every instance gets). role: producer, consumer or
-    colocated (no KV connector: it prefills and decodes its requests itself)."""
+    colocated (no KV handoff: it prefills and decodes its requests itself; with the store connector it
+    still inserts and loads prompts there, kv-role both)."""
     cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--host", host, "--port", str(port)]
-    if role != "colocated":
-        cmd += ["--kv-connector", kv_connector, "--kv-role", role]
+    if role != "colocated" or kv_store:
+        cmd += ["--kv-connector", kv_connector, "--kv-role", "both" if role == "colocated" else role]
+        if kv_store:
+            cmd += ["--kv-store", kv_store]
         if kv_transfer_config:
             cmd += ["--kv-transfer-config", kv_transfer_config]
     cmd += ["--engine-id", f"{ROLE_NAMES[role]}-{index}", *serve_args]
@@ -175,6 +179,22 @@ class Supervisor:
         return None
 
 
+def wait_listening(children: "ChildProcesses", host: str, port: int, timeout: float) -> None:
+    """Until host:port accepts a TCP connection; RuntimeError when a child exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        dead = children.first_dead()
+        if dead is not None:
+            raise RuntimeError(f"{children.names[dead.pid]} exited with code {dead.returncode}")
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on {host}:{port} after {timeout:.0f} s") from None
+            time.sleep(0.2)
+
+
 def parse_gpus(spec: str | None) -> list[int] | None:
     """--gpus 0,2,3 → [0, 2, 3]; None: every GPU torch sees."""
     if spec is None:
@@ -193,7 +213,7 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
                 kv_connector: str = "nixl", prefill_args: Sequence[str] = (),
                 decode_args: Sequence[str] = (), api_key: str | None = None, num_colocated: int = 0,
                 colocated_args: Sequence[str] = (), gpus: Sequence[int] | None = None,
-                proxy_args: Sequence[str] = ()) -> int:
+                proxy_args: Sequence[str] = (), kv_store_capacity: str = "1GiB") -> int:
     if min(num_prefill, num_decode, num_colocated) < 0:
         print("pdserve up: --num-prefill, --num-decode and --num-colocated must be >= 0", file=sys.stderr)
         return 2
@@ -223,7 +243,16 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
         proxy_env[API_KEY_ENV] = api_key
     urls: dict[str, list[str]] = {"producer": [], "consumer": [], "colocated": []}
     commands: dict[int, tuple[str, list[str], dict]] = {}
+    kv_store = None
     try:
+        if kv_connector == "store":   # the pool first (restarted like an instance: it is a cache)
+            store_port = port + 1 + len(instances)
+            kv_store = f"{host}:{store_port}"
+            cmd = [sys.executable, "-m", "pdserve", "kv-store", "--host", host, "--port", str(store_port),
+                   "--capacity", kv_store_capacity]
+            proc = children.start(cmd, name="kv-store", env=instance_env)
+            commands[proc.pid] = ("kv-store", cmd, instance_env)
+            wait_listening(children, host, store_port, 60)
         for n, (role, i) in enumerate(instances):
             inst_port = port + 1 + n
             env = dict(instance_env)
@@ -236,7 +265,7 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
             cmd = instance_command(role, i, inst_port, model=model, host=host, serve_args=serve_args,
                                    role_args=role_args[role], kv_connector=kv_connector,
                                    kv_transfer_config=kv_transfer_config, cores=cores[n], num_threads=threads,
-                                   gpu_memory_utilization=fraction)
+                                   gpu_memory_utilization=fraction, kv_store=kv_store)
             name = f"{ROLE_NAMES[role]}-{i}"
             proc = children.start(cmd, name=name, env=env)
             commands[proc.pid] = (name, cmd, env)
@@ -253,6 +282,7 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
         served = next((a for f, a in zip(serve_args, serve_args[1:]) if f == "--served-model-name"), model)
         auth_header = '-H "Authorization: Bearer $KEY" ' if api_key else ""
         pools = "; ".join(f"{ROLE_NAMES[role]}: {' '.join(u)}" for role, u in urls.items() if u)
+        pools += f"; kv-store: {kv_store}" if kv_store else ""
         print(f"pdserve cluster ready: {url}/v1  ({pools}). `pdserve status {url}` shows it; Ctrl-C stops "
               f"it.\nTry:\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "

@@ -70,10 +70,18 @@ KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 PUSH_KV_CONNECTORS = ("nixl-push",)
 
 
+def parse_host_port(text: str, name: str) -> tuple[str, int]:
+    """'HOST:PORT' → (host, port); ValueError naming the field and the value otherwise."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name}: expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
 @dataclass
 class KVTransferConfig:
     """How an instance takes part in P/D disaggregation; None connector means colocated only."""
-    kv_connector: str | None = None       # None | "nixl" | "cuda_ipc" | "loopback"
+    kv_connector: str | None = None       # None | "nixl" | "nixl-push" | "cuda_ipc" | "store" | "loopback"
     kv_role: str = "both"                 # producer (P) | consumer (D) | both
     engine_id: str | None = None          # filled at start-up when not given
     lease_seconds: float = 30.0           # P holds blocks for D this long without a heartbeat
@@ -82,6 +90,7 @@ class KVTransferConfig:
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0            # 0: pick a free port
     enable_prog_thread: bool = False      # NIXL progress thread busy-polls a core; off by default on CPU
+    kv_store: str | None = None           # "HOST:PORT" of `pdserve kv-store` (kv_connector "store")
     # The router key, when the instance has one: signs every side-channel message (never from JSON or argv).
     auth_key: str | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -100,6 +109,10 @@ class KVTransferConfig:
             raise ValueError(f"lease_seconds ({self.lease_seconds}) must be greater than heartbeat_seconds "
                              f"({self.heartbeat_seconds}): D extends P's lease once per heartbeat, so a lease "
                              "no longer than that runs out while D waits")
+        if self.kv_connector == "store":
+            if not self.kv_store:
+                raise ValueError("kv_store: kv_connector store needs the store's HOST:PORT (--kv-store)")
+            parse_host_port(self.kv_store, "kv_store")
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port: must be in [0, 65535], got {self.side_channel_port}")
 

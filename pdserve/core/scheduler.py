@@ -223,7 +223,7 @@ class Scheduler:
             if looked_up:
                 computed_blocks, num_local = self.kv.get_computed_blocks(request)
             num_external, load_async = 0, False
-            if self.connector is not None and request.kv_transfer_params:
+            if self.connector is not None:  # (also without kv_transfer_params: a store may hold the prompt)
                 num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
                 if num_external is None:  # the connector cannot tell yet
                     skipped.append(self.waiting.popleft())

@@ -88,8 +88,9 @@ class EngineCore:
                   "block_size": config.cache.block_size,
                   "kv_layout": "blocks,layers,kv,slots,heads,dim",
                   "kv_shape": "x".join(map(str, self.runner.kv_cache.shape[1:]))}
+        hash_extra = f"{info.identity}:{dtype}"   # the prefix cache's (and the KV store's) block names
         connector_scheduler, self.connector_worker = create_connector(
-            config.kv_transfer, config.cache.block_size, compat)
+            config.kv_transfer, config.cache.block_size, compat, hash_extra)
         if self.connector_worker is not None:
             self.runner.connector = self.connector_worker
             self.connector_worker.register_kv_caches(self.runner.kv_cache)
@@ -100,7 +101,7 @@ class EngineCore:
         self.runner.warm_up(sc.max_num_batched_tokens)
         kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                             config.cache.enable_prefix_caching,
-                            hash_extra=f"{info.identity}:{dtype}")
+                            hash_extra=hash_extra)
         self.scheduler = Scheduler(sc, kv, connector_scheduler,
                                    config.kv_transfer.kv_load_failure_policy)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

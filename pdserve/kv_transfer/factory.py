@@ -4,18 +4,19 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pdserve.config import PUSH_KV_CONNECTORS, KVTransferConfig
+from pdserve.config import PUSH_KV_CONNECTORS, KVTransferConfig, parse_host_port
 from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.pull import PullConnectorScheduler
 from pdserve.kv_transfer.push import PushConnectorScheduler
 
-CONNECTORS = ("loopback", "nixl", "cuda_ipc", "nixl-push")
+CONNECTORS = ("loopback", "nixl", "cuda_ipc", "nixl-push", "store")
 PUSH_CONNECTORS = PUSH_KV_CONNECTORS
 
 
-def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str, Any]
+def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str, Any], hash_extra: str = ""
                      ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
-    """Both halves of the configured connector, or (None, None) when disaggregation is off."""
+    """Both halves of the configured connector, or (None, None) when disaggregation is off. hash_extra: the
+    prefix cache's (the store names blocks by the cache's hash)."""
     if config.kv_connector is None:
         return None, None
     engine_id = config.engine_id or f"{config.kv_role}-{uuid.uuid4().hex[:8]}"
@@ -36,6 +37,15 @@ def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str
         push_worker = NixlPushConnectorWorker(config, engine_id, compat)
         return PushConnectorScheduler(engine_id, block_size, is_producer=config.is_producer,
                                       is_consumer=config.is_consumer), push_worker
+    elif config.kv_connector == "store":
+        from pdserve.kv_transfer.store import DEFAULT_WAIT_S, StoreConnectorScheduler
+        from pdserve.kv_transfer.store_client import StoreClient
+        from pdserve.kv_transfer.store_worker import StoreConnectorWorker
+        client = StoreClient(parse_host_port(config.kv_store or "", "kv_store"), config.auth_key)
+        store_worker = StoreConnectorWorker(config, engine_id, compat, client)
+        wait_s = float(config.extra.get("store_wait_seconds", DEFAULT_WAIT_S))
+        return StoreConnectorScheduler(engine_id, block_size, client, config.is_producer, hash_extra,
+                                       wait_s), store_worker
     else:
         raise ValueError(f"kv_connector: expected one of {CONNECTORS}, got {config.kv_connector!r}")
     scheduler = PullConnectorScheduler(engine_id, host, port, block_size, is_producer=config.is_producer,

@@ -173,6 +173,11 @@ MIN_FULL_HOLD_S = 0.1   # an instance's 503 at capacity holds new hops back at l
 MAX_FULL_HOLD_S = 2.0   # ... and at most this, whatever its Retry-After says (the polls see it sooner)
 
 
+def handoff_of(kv_connector: str) -> str:
+    """pull (D reads P's blocks), push (P writes into D's) or store (both through a KV store)."""
+    return "push" if kv_connector in PUSH_KV_CONNECTORS else "store" if kv_connector == "store" else "pull"
+
+
 class Instance:
     def __init__(self, name: str, url: str, role: str) -> None:
         if role not in ROLES:
@@ -189,7 +194,8 @@ class Instance:
         self._blocks_since_report = 0       # blocks the router sent since the last report (it cannot see them)
         self._generation = 0                # report count: tells a ticket begun before the last report
         self.full_until = 0.0               # it answered 503 at capacity: no new hop before then
-        self.handoff = "pull"               # "push": its connector pushes (kept across a restart's empty view)
+        self.handoff = "pull"               # "push" | "store": how its connector hands KV over (kept across a
+                                            # restart's empty view)
         # Learned rates; None until measured.
         self._prefill_tokens_per_s: float | None = None
         self._decode_step_s: float | None = None
@@ -258,7 +264,7 @@ class Instance:
             self._learn(previous, report)
         self.report, self.report_time = report, now
         if report.kv_connector is not None:
-            self.handoff = "push" if report.kv_connector["name"] in PUSH_KV_CONNECTORS else "pull"
+            self.handoff = handoff_of(report.kv_connector["name"])
         self.num_reports += 1
         self._generation += 1
         self._blocks_since_report = 0

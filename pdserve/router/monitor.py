@@ -211,7 +211,8 @@ class Monitor:
         pd = [inst for inst in self.instances if inst.role in ("prefill", "decode")]
         kinds = {inst.handoff for inst in pd}
         if len(kinds) > 1:
-            push = next(inst for inst in pd if inst.handoff == "push")
-            pull = next(inst for inst in pd if inst.handoff == "pull")
-            raise StartupError(f"{push.url} (--{push.role}) pushes its KV (--kv-connector nixl-push) but {pull.url} "
-                               f"(--{pull.role}) pulls: every prefill and decode instance needs the same handoff")
+            one = next(inst for inst in pd if inst.handoff != "pull") if "pull" in kinds else pd[0]
+            other = next(inst for inst in pd if inst.handoff != one.handoff)
+            raise StartupError(f"{one.url} (--{one.role}) hands its KV over by {one.handoff} but {other.url} "
+                               f"(--{other.role}) by {other.handoff}: every prefill and decode instance needs the "
+                               f"same handoff (--kv-connector nixl or cuda_ipc: pull; nixl-push: push; store)")

@@ -273,7 +273,7 @@ class Proxy:
             if route.prefill is None:
                 return await final_hop(self, request, req, route.decode, body, headers, start)
             prefill = route.prefill
-            if prefill.is_push != route.decode.is_push:  # (one restarted with another connector since start-up)
+            if prefill.handoff != route.decode.handoff:  # (one restarted with another connector since start-up)
                 logger.warning("request %s: %s and %s hand KV over in different ways; routing it again without %s",
                                headers["X-Request-Id"], prefill.name, route.decode.name, prefill.name)
                 failed.add(prefill.name)

@@ -271,6 +271,20 @@ def test_cost_takes_turns_between_instances_whose_estimates_differ_by_noise():
         RouterConfig(cost_tolerance=1.5)
 
 
+def test_among_tied_estimates_the_longest_cached_prefix_wins_every_time():
+    # The bug: a P holding a conversation's history, tied with an idle one within the tolerance (its queue
+    # costs about what the prefix saves), got only every other turn of it (CPU, multi-turn: 0.64x
+    # round-robin's TTFT against 0.48x without the tolerance).
+    index = PrefixIndex()
+    holds(index, "prefill-1", 64)                   # 1,024 of 4,096 tokens cached
+    rate = {"num_prompt_tokens_computed_total": 0, "busy_seconds_total": 0.0}
+    cluster = [inst("prefill-0", **rate), inst("prefill-1", num_prefill_tokens_waiting=1000, **rate),
+               inst("decode-0")]
+    # prefill-0: 4,096 tokens; prefill-1: 1,000 queued + 3,072 uncached = 4,072: a tie
+    router = Router(cluster, policy="cost", index=index)
+    assert [router.route(req()).prefill.name for _ in range(4)] == ["prefill-1"] * 4
+
+
 def test_the_step_time_of_a_decode_grows_with_its_batch_as_measured():
     d = learned_decode("decode-0", [(2, 0.020)] * 3 + [(10, 0.060)] * 3 + [(2, 0.020)] * 3)
     assert d.decode_step_s_at(10) > d.decode_step_s_at(2) > 0

@@ -528,8 +528,18 @@ def test_startup_refuses_push_and_pull_instances_together(harness):
     d.load["kv_connector"] = {"name": "nixl", "engine_id": "d", "host": "127.0.0.1", "port": 7032, "boot_id": "b"}
     with pytest.raises(StartupError) as caught:
         harness.proxy([p], [d], startup_timeout=2)
-    assert str(caught.value) == (f"{p.url} (--prefill) pushes its KV (--kv-connector nixl-push) but {d.url} "
-                                 f"(--decode) pulls: every prefill and decode instance needs the same handoff")
+    assert str(caught.value) == (f"{p.url} (--prefill) hands its KV over by push but {d.url} (--decode) by pull: "
+                                 f"every prefill and decode instance needs the same handoff (--kv-connector nixl "
+                                 f"or cuda_ipc: pull; nixl-push: push; store)")
+
+
+def test_startup_refuses_store_and_pull_instances_together(harness):
+    """A pull D given a store P's answer would try to READ from the store's address as if it were P."""
+    p, d = harness.backend("prefill"), harness.backend("decode")
+    p.load["kv_connector"] = {"name": "store", "engine_id": "p", "host": "127.0.0.1", "port": 7041, "boot_id": "b"}
+    d.load["kv_connector"] = {"name": "nixl", "engine_id": "d", "host": "127.0.0.1", "port": 7042, "boot_id": "b"}
+    with pytest.raises(StartupError, match=r"\(--prefill\) hands its KV over by store but .* \(--decode\) by pull"):
+        harness.proxy([p], [d], startup_timeout=2)
 
 
 def wait_for(predicate, timeout: float = 3.0) -> bool:

@@ -1,0 +1,273 @@
+"""`pdserve kv-store`: a KV block pool shared by many instances, keyed by the prefix cache's chained hash.
+
+The pool is one DRAM buffer of --capacity bytes registered with NIXL, cut into slots of one KV block
+each. Clients (kv_transfer/store.py) move the data themselves: P WRITEs its blocks into slots the store
+gave it, D READs slots a lookup found; the store never posts a transfer. Control is the side channel's
+framed request/reply (kv_transfer/side_channel.py), one message each:
+
+  handshake {compat_hash, compat, block_bytes} → {boot_id, region, insert_ttl_s, lease_s} + NIXL metadata.
+      The first client fixes the layout (block bytes and compat hash); a client of another layout is
+      refused with both sides named. boot_id changes when the store restarts: every other message carries
+      it, and one naming another boot is refused ("stale_boot"), since slots of a dead boot mean nothing.
+  insert {hashes} → {insert_id, slots: [[i, slot], ...]}  slots to WRITE hashes[i] into (present hashes skipped)
+  commit {insert_id} / abort {insert_id}                  the WRITE is done / failed
+  lookup {hashes, min_blocks, wait_s} → {lease_id, slots} the longest stored run, pinned for lease_s.
+      With min_blocks the reply waits (at most MAX_WAIT_PER_CALL_S, so a waiting reader never holds a
+      server thread long) while fewer than min_blocks are stored but more are being written: D asks for
+      the blocks P announced before P's commit has necessarily arrived. The client asks again until its
+      own deadline.
+  release {lease_id, drop} → {valid}                    drop: free the blocks now (seed 002's drop_select)
+  stats → the index's counters
+
+Deadlines, so that no crashed client leaks the pool: a lease unpins lease_s after the lookup, an insert
+frees its slots insert_ttl_s after it began. A client keeps its own side of both with margin (it READs
+before send time + lease_s - margin, and aborts a WRITE not done by send time + insert_ttl_s - margin), so
+a slot the store reuses is never still being read or written under an old promise.
+
+Progress: without NIXL's progress thread (a busy-polling core), the store's agent is progressed by a
+thread of ours, every millisecond while any insert or lease is live and every 50 ms otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from pdserve.kv_store.index import StoreIndex
+from pdserve.kv_transfer import side_channel
+from pdserve.kv_transfer.nixl import nixl_agent, nixl_agent_config
+
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 30.0
+DEFAULT_INSERT_TTL_S = 90.0
+MAX_WAIT_PER_CALL_S = 0.25
+MAX_HASHES_PER_MESSAGE = 1 << 16   # 1M tokens of prompt at 16 tokens per block
+_BUSY_POLL_S, _IDLE_POLL_S = 0.001, 0.05
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MB', '1e9' is refused; a plain integer is bytes."""
+    match = _SIZE.match(str(text))
+    if not match or match.group(2) is not None and match.group(2).lower() not in _UNITS:
+        raise ValueError(f"capacity: expected bytes like 4GiB, 512MiB or 1000000, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+
+
+def _hashes(message: dict[str, Any]) -> list[int]:
+    hashes = message.get("hashes")
+    if not isinstance(hashes, list) or len(hashes) > MAX_HASHES_PER_MESSAGE or not all(
+            isinstance(h, int) and not isinstance(h, bool) for h in hashes):
+        raise ValueError(f"hashes: a list of at most {MAX_HASHES_PER_MESSAGE} integers")
+    return hashes
+
+
+class KVStoreServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, capacity_bytes: int = 1 << 30,
+                 lease_s: float = DEFAULT_LEASE_S, insert_ttl_s: float = DEFAULT_INSERT_TTL_S,
+                 auth_key: str | None = None, enable_prog_thread: bool = False) -> None:
+        if nixl_agent is None:
+            raise ImportError("pdserve kv-store: neither nixl nor nixl_cu13 is installed")
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity: must be > 0 bytes, got {capacity_bytes}")
+        if lease_s <= 2.0 or insert_ttl_s <= 2.0:
+            raise ValueError("lease_s and insert_ttl_s: must be > 2 s (clients keep a margin inside them)")
+        self.capacity_bytes, self.lease_s, self.insert_ttl_s = capacity_bytes, lease_s, insert_ttl_s
+        self.boot_id = uuid.uuid4().hex
+        self.agent_name = f"kv-store-{self.boot_id[:8]}"
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=enable_prog_thread,
+                                                                   backends=["UCX"]))
+        self._lock = threading.Condition()
+        self.index: StoreIndex | None = None        # made at the first handshake: slots need the block size
+        self.block_bytes: int | None = None
+        self.compat_hash: str | None = None
+        self.compat: dict[str, Any] | None = None
+        self._buffer: torch.Tensor | None = None
+        self._reg_descs = None
+        self._blob = b""
+        self._closed = threading.Event()
+        self._server = side_channel.SideChannelServer(host, port, {
+            "handshake": self._on_handshake, "insert": self._on_insert, "commit": self._on_commit,
+            "abort": self._on_abort, "lookup": self._on_lookup, "release": self._on_release,
+            "stats": self._on_stats}, key=auth_key)
+        self.host, self.port = host, self._server.port
+        self._progress = threading.Thread(target=self._progress_loop, name="pdserve-kv-store-progress", daemon=True)
+        self._progress.start()
+
+    # ---- the pool ---------------------------------------------------------------------------------
+
+    def _make_pool(self, block_bytes: int) -> None:
+        num_slots = self.capacity_bytes // block_bytes
+        if num_slots == 0:
+            raise ValueError(f"capacity {self.capacity_bytes} bytes holds no block of {block_bytes} bytes")
+        self._buffer = torch.zeros(num_slots * block_bytes, dtype=torch.uint8)  # touched: resident now
+        self._reg_descs = self.agent.register_memory(self._buffer)
+        self._blob = self.agent.get_agent_metadata()
+        self.index = StoreIndex(num_slots)
+        self.block_bytes = block_bytes
+        logger.info("kv-store: %d slots of %d bytes (%.1f GiB)", num_slots, block_bytes,
+                    num_slots * block_bytes / 2**30)
+
+    def _region(self) -> dict[str, Any]:
+        return {"base_addr": self._buffer.data_ptr(), "num_blocks": self.index.num_slots,
+                "block_bytes": self.block_bytes, "mem_type": "DRAM", "device_id": 0}
+
+    # ---- handlers (side-channel threads) ----------------------------------------------------------
+
+    def _on_handshake(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        block_bytes, compat_hash = message.get("block_bytes"), message.get("compat_hash")
+        if not isinstance(block_bytes, int) or block_bytes <= 0 or not isinstance(compat_hash, str):
+            return {"ok": False, "error": "handshake: needs block_bytes (int > 0) and compat_hash"}, b""
+        with self._lock:
+            if self.index is None:
+                self._make_pool(block_bytes)
+                self.compat_hash, self.compat = compat_hash, message.get("compat")
+            if (block_bytes, compat_hash) != (self.block_bytes, self.compat_hash):
+                theirs, ours = message.get("compat") or {}, self.compat or {}
+                diffs = [f"{k} store={ours.get(k)} client={theirs.get(k)}" for k in sorted(set(ours) | set(theirs))
+                         if ours.get(k) != theirs.get(k)]
+                return {"ok": False, "error": "KV layout mismatch with the store: " + (
+                    ", ".join(diffs) or f"block_bytes store={self.block_bytes} client={block_bytes}")}, b""
+            return {"ok": True, "boot_id": self.boot_id, "agent_name": self.agent_name, "region": self._region(),
+                    "lease_s": self.lease_s, "insert_ttl_s": self.insert_ttl_s}, self._blob
+
+    def _refusal(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        if self.index is None or message.get("boot_id") != self.boot_id:
+            return {"ok": False, "error": "stale_boot"}
+        return None
+
+    def _on_insert(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        hashes = _hashes(message)
+        with self._lock:
+            if (refusal := self._refusal(message)) is not None:
+                return refusal, b""
+            insert_id, placed = self.index.begin_insert(hashes, self.insert_ttl_s)
+        return {"ok": True, "insert_id": insert_id, "slots": placed}, b""
+
+    def _on_commit(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        with self._lock:
+            if (refusal := self._refusal(message)) is not None:
+                return refusal, b""
+            num_blocks = self.index.commit(str(message.get("insert_id")))
+            self._lock.notify_all()   # readers waiting for these blocks
+        return {"ok": True, "num_blocks": num_blocks}, b""
+
+    def _on_abort(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        with self._lock:
+            if (refusal := self._refusal(message)) is not None:
+                return refusal, b""
+            num_blocks = self.index.abort(str(message.get("insert_id")))
+            self._lock.notify_all()
+        return {"ok": True, "num_blocks": num_blocks}, b""
+
+    def _on_lookup(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        hashes = _hashes(message)
+        min_blocks = message.get("min_blocks") or 0
+        wait_s = message.get("wait_s") or 0.0
+        if not isinstance(min_blocks, int) or not isinstance(wait_s, (int, float)):
+            raise ValueError("lookup: min_blocks must be an integer and wait_s a number")
+        wait_s = max(float(wait_s), 0.0)
+        deadline = time.monotonic() + min(wait_s, MAX_WAIT_PER_CALL_S)
+        with self._lock:
+            while True:
+                if (refusal := self._refusal(message)) is not None:
+                    return refusal, b""
+                num_stored, num_pending = self.index.longest_run(hashes)
+                left = deadline - time.monotonic()
+                if num_stored >= min(min_blocks, len(hashes)) or left <= 0:
+                    break
+                if not num_pending and self.index.is_refused(hashes[num_stored]):
+                    break   # the writer could not store the next block: it will not come
+                self._lock.wait(left)
+            if (num_stored < min(min_blocks, len(hashes)) and wait_s > MAX_WAIT_PER_CALL_S
+                    and (num_pending or not self.index.is_refused(hashes[num_stored]))):
+                return {"ok": True, "again": True, "num_stored": num_stored}, b""   # the client asks again
+            lease_id, slots = self.index.lookup(hashes, self.lease_s)
+        return {"ok": True, "lease_id": lease_id, "slots": slots, "lease_s": self.lease_s,
+                "num_pending": num_pending}, b""
+
+    def _on_release(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        with self._lock:
+            if (refusal := self._refusal(message)) is not None:
+                return refusal, b""
+            valid = self.index.release(str(message.get("lease_id")), drop=bool(message.get("drop")))
+        return {"ok": True, "valid": valid}, b""
+
+    def _on_stats(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        with self._lock:
+            if self.index is None:
+                return {"ok": True, "num_slots": 0}, b""
+            return {"ok": True, "num_slots": self.index.num_slots, "block_bytes": self.block_bytes,
+                    "num_stored": self.index.num_stored, "num_free": len(self.index.free_slots),
+                    "num_leases": len(self.index.leases), "num_inserts": len(self.index.inserts),
+                    **self.index.stats.__dict__}, b""
+
+    # ---- progress and deadlines -------------------------------------------------------------------
+
+    def _progress_loop(self) -> None:
+        last_expire = 0.0
+        while not self._closed.is_set():
+            busy = False
+            with self._lock:
+                if self.index is not None:
+                    if time.monotonic() - last_expire > 0.1:
+                        self.index.expire()
+                        last_expire = time.monotonic()
+                    busy = bool(self.index.leases or self.index.inserts)
+            try:
+                self.agent.get_new_notifs()   # progresses UCX; clients' notifications carry nothing we need
+            except Exception as e:  # a peer gone mid-transfer: its own deadline handles it
+                logger.debug("kv-store: progress: %s", e)
+            self._closed.wait(_BUSY_POLL_S if busy else _IDLE_POLL_S)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._server.close()
+        self._progress.join(timeout=2.0)
+        if self._reg_descs is not None:
+            self.agent.deregister_memory(self._reg_descs)
+            self._reg_descs = None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address of the store's side channel")
+    p.add_argument("--port", type=int, default=8700, help="the side channel's port (0: a free one)")
+    p.add_argument("--capacity", default="1GiB",
+                   help="bytes of KV the pool holds (DRAM, allocated at the first client's handshake): "
+                        "e.g. 8GiB, 512MiB; least recently used blocks are evicted beyond it")
+    p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_S,
+                   help="a lookup's blocks stay pinned this long unless released (a crashed reader's pins go then)")
+    p.add_argument("--insert-ttl-seconds", type=float, default=DEFAULT_INSERT_TTL_S,
+                   help="slots given to a writer are reused this long after, if it never commits")
+
+
+def main(args: argparse.Namespace, auth_key: str | None = None) -> int:
+    try:
+        capacity = parse_bytes(args.capacity)
+        server = KVStoreServer(args.host, args.port, capacity, args.lease_seconds, args.insert_ttl_seconds,
+                               auth_key=auth_key)
+    except (ValueError, ImportError, OSError) as e:
+        print(f"pdserve kv-store: {e}")
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"pdserve kv-store: listening on {server.host}:{server.port}, capacity {capacity} bytes", flush=True)
+    try:
+        stop.wait()
+    finally:
+        server.close()
+    return 0

@@ -1,0 +1,342 @@
+"""The worker half of the store handoff over NIXL: READs of a lookup's slots into this instance's blocks, and
+inserts (ask for slots, WRITE, commit) of finished prompts, against the pool of `pdserve kv-store`.
+
+Every NIXL call runs on the engine thread (the agent runs without locks); exchanges with the store run on
+the StoreClient's threads and are polled here, once per step. What each wait is bounded by:
+
+  handshake   one exchange (RPC_TIMEOUT_S); a failure is tried again after HANDSHAKE_RETRY_S, and until it
+              succeeds the store counts as empty (lookups and inserts are skipped)
+  load        the READ must be done before the lookup's read deadline (send time + lease - margin, so the
+              store still pins the slots). Past it, or on a transfer error, the load fails: its blocks are
+              invalid and the request recomputes them. A READ past its deadline is aborted; one NIXL cannot
+              abort keeps its blocks (quarantined) until it can, as pull's do
+  insert      the slots' reply (one exchange), then the WRITE before send time + insert TTL - margin (the
+              store reuses the slots after its TTL); finished_sending comes once nothing writes from the
+              request's blocks, whatever the outcome: a failed insert costs a later reader a recompute,
+              never an error
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer.base import KVConnectorWorker
+from pdserve.kv_transfer.nixl import _run_descs, nixl_agent, nixl_agent_config
+from pdserve.kv_transfer.store import StoreConnectorMeta, StoreInsertSpec, StoreLoadSpec
+from pdserve.kv_transfer.store_client import StoreClient, read_margin
+from pdserve.kv_transfer.transport_worker import Histogram, Region, coalesce, compat_hash
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_RETRY_S = 2.0
+
+
+@dataclass
+class Load:
+    spec: StoreLoadSpec
+    handle: Any
+    posted_at: float
+    is_cancelled: bool = False
+
+
+@dataclass
+class Insert:
+    spec: StoreInsertSpec
+    reply: Future | None = None         # the store's slots
+    sent_at: float = 0.0
+    boot_id: str = ""
+    insert_id: str | None = None
+    handle: Any = None                  # the WRITE, once posted
+    deadline: float = 0.0
+    posted_at: float = 0.0
+    num_bytes: int = 0
+
+
+class StoreConnectorWorker(KVConnectorWorker):
+    def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, Any], client: StoreClient) -> None:
+        if nixl_agent is None:
+            raise ImportError("kv_connector store: neither nixl nor nixl_cu13 is installed")
+        self.config, self.engine_id, self.client = config, engine_id, client
+        self.compat, self.compat_hash = dict(compat), compat_hash(compat)
+        self.drop_after_read = bool(config.extra.get("store_drop_after_read", False))
+        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=config.enable_prog_thread,
+                                                             backends=["UCX"]))
+        self._kv_cache: torch.Tensor | None = None
+        self._reg_descs = None
+        self._region: Region | None = None
+        self._store: Region | None = None           # the pool, as the handshake described it
+        self._store_agent: str | None = None
+        self._insert_ttl_s = 0.0
+        self._handshake: Future | None = None
+        self._handshake_at = float("-inf")
+        self._loads: dict[str, Load] = {}
+        self._inserts: dict[str, Insert] = {}
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._error_blocks: set[int] = set()
+        self._recompute: set[str] = set()
+        self.num_bytes = self.num_descriptors = self.num_failures = self.num_quarantined = 0
+        self.num_loaded_blocks = self.num_inserted_blocks = 0
+        self.transfer_seconds = Histogram()
+
+    # ---- start-up and the store's boot -----------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        kv_cache = kv_caches[0] if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 1 else kv_caches
+        if not isinstance(kv_cache, torch.Tensor) or not kv_cache.is_contiguous():
+            raise ValueError("register_kv_caches: expected one contiguous tensor "
+                             "[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]")
+        self._kv_cache = kv_cache
+        self._reg_descs = self.agent.register_memory(kv_cache)
+        self._region = Region(kv_cache.data_ptr(), kv_cache.shape[0], kv_cache[0].numel() * kv_cache.element_size(),
+                              "VRAM" if kv_cache.is_cuda else "DRAM", kv_cache.device.index or 0)
+        self._connect()
+
+    def _connect(self) -> None:
+        self._handshake_at = time.monotonic()
+        self._handshake = self.client.handshake({"engine_id": self.engine_id, "compat_hash": self.compat_hash,
+                                                 "compat": self.compat, "block_bytes": self._region.block_bytes})
+
+    def _advance_handshake(self) -> None:
+        if self.client.is_ready and self._store is not None:
+            return
+        if self._store_agent is not None and not self.client.is_ready:   # the store restarted
+            self._disconnect()
+        if self._handshake is None:
+            if time.monotonic() - self._handshake_at >= HANDSHAKE_RETRY_S:
+                self._connect()
+            return
+        if not self._handshake.done():
+            return
+        future, self._handshake = self._handshake, None
+        try:
+            reply, blob = future.result()
+            store = Region(**reply["region"])
+            self.agent.add_remote_agent(blob)
+        except Exception as e:
+            logger.warning("KV store at %s:%d: handshake failed, lookups and inserts off until it succeeds: %s",
+                           *self.client.address, e)
+            return
+        self._store, self._store_agent = store, reply["agent_name"]
+        self._insert_ttl_s = float(reply["insert_ttl_s"])
+        self.client.boot_id = reply["boot_id"]
+        logger.info("KV store at %s:%d: %d slots of %d bytes", *self.client.address, store.num_blocks,
+                    store.block_bytes)
+
+    def _disconnect(self) -> None:
+        try:
+            self.agent.remove_remote_agent(self._store_agent)
+        except Exception as e:
+            logger.debug("remove_remote_agent: %s", e)
+        self._store = self._store_agent = None
+
+    # ---- the contract ----------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: StoreConnectorMeta) -> None:
+        for spec in meta.reqs_to_load:
+            self._start_load(spec)
+        for request_id in meta.reqs_to_cancel:
+            if request_id in self._loads:
+                self._loads[request_id].is_cancelled = True   # reported once nothing reads into its blocks
+        for spec in meta.reqs_to_insert:
+            self._start_insert(spec)
+
+    def _start_load(self, spec: StoreLoadSpec) -> None:
+        now = time.monotonic()
+        if self._store is None or spec.boot_id != self.client.boot_id or now >= spec.read_deadline:
+            self._load_failed(spec, "the store's lease ran out (or the store restarted) before the READ")
+            return
+        try:
+            handle = self._xfer("READ", spec.local_block_ids, spec.slots)
+        except Exception as e:
+            self._load_failed(spec, f"READ could not be posted: {type(e).__name__}: {e}")
+            return
+        self._loads[spec.request_id] = Load(spec, handle, now)
+
+    def _start_insert(self, spec: StoreInsertSpec) -> None:
+        if self._store is None or not self.client.is_ready:
+            self._finished_sending.add(spec.request_id)   # nothing stored; the blocks go free
+            return
+        insert = Insert(spec, sent_at=time.monotonic(), boot_id=self.client.boot_id)
+        insert.reply = self.client.call("insert", insert.boot_id, hashes=spec.hashes)
+        self._inserts[spec.request_id] = insert
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        self._advance_handshake()
+        now = time.monotonic()
+        for request_id, load in list(self._loads.items()):
+            self._advance_load(request_id, load, now)
+        for request_id, insert in list(self._inserts.items()):
+            self._advance_insert(request_id, insert, now)
+        sending, self._finished_sending = self._finished_sending, set()
+        recving, self._finished_recving = self._finished_recving, set()
+        return sending, recving
+
+    def _state(self, handle: Any) -> str:
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception as e:  # the binding raises for a failed transfer
+            logger.warning("NIXL transfer status: %s: %s", type(e).__name__, e)
+            return "ERR"
+
+    def _released(self, handle: Any) -> bool:
+        """Release a transfer (aborting it if active); False: NIXL cannot yet, keep its blocks."""
+        try:
+            handle.release()
+            return True
+        except Exception as e:
+            logger.warning("NIXL could not release a transfer yet: %s", e)
+            return False
+
+    def _advance_load(self, request_id: str, load: Load, now: float) -> None:
+        state = self._state(load.handle)
+        if state == "PROC" and now < load.spec.read_deadline:
+            return
+        if state not in ("DONE", "ERR") and not self._released(load.handle):
+            self.num_quarantined += 1
+            return
+        if state in ("DONE", "ERR"):
+            self._released(load.handle)
+        del self._loads[request_id]
+        spec = load.spec
+        if state == "DONE" and time.monotonic() < spec.read_deadline:
+            self._finished_recving.add(request_id)
+            self.client.release(spec.lease_id, spec.boot_id, drop=self.drop_after_read)
+            self.num_loaded_blocks += len(spec.local_block_ids)
+            self.num_bytes += len(spec.local_block_ids) * self._region.block_bytes
+            self.transfer_seconds.observe(time.monotonic() - load.posted_at)
+            return
+        self._load_failed(spec, "READ failed" if state == "ERR" else "READ not done inside the store's lease")
+
+    def _load_failed(self, spec: StoreLoadSpec, why: str) -> None:
+        logger.info("request %s recomputes %d blocks the store had: %s", spec.request_id,
+                    len(spec.local_block_ids), why)
+        self.num_failures += 1
+        self._error_blocks.update(spec.local_block_ids)
+        self._recompute.add(spec.request_id)
+        self._finished_recving.add(spec.request_id)
+        self.client.release(spec.lease_id, spec.boot_id)
+
+    def _advance_insert(self, request_id: str, insert: Insert, now: float) -> None:
+        if insert.handle is None:
+            if not insert.reply.done():
+                return
+            try:
+                reply = insert.reply.result()
+                self._post_insert(insert, reply)
+            except Exception as e:
+                logger.info("request %s: not stored: %s", request_id, e)
+                self._end_insert(request_id, insert, commit=False)
+            return
+        state = self._state(insert.handle)
+        if state == "PROC" and now < insert.deadline:
+            return
+        if state != "DONE" and state != "ERR" and not self._released(insert.handle):
+            self.num_quarantined += 1   # P's blocks stay: the WRITE may still read them
+            return
+        if state in ("DONE", "ERR"):
+            self._released(insert.handle)
+        if state == "DONE":
+            self.num_bytes += insert.num_bytes
+            self.transfer_seconds.observe(time.monotonic() - insert.posted_at)
+            self.num_inserted_blocks += insert.num_bytes // self._region.block_bytes
+        else:
+            self.num_failures += 1
+        self._end_insert(request_id, insert, commit=state == "DONE")
+
+    def _post_insert(self, insert: Insert, reply: dict[str, Any]) -> None:
+        insert.insert_id = reply["insert_id"]
+        placed = [(int(i), int(slot)) for i, slot in reply["slots"]]
+        spec = insert.spec
+        if not placed:
+            self._end_insert(spec.request_id, insert, commit=False)
+            return
+        if insert.boot_id != self.client.boot_id or self._store is None:
+            raise RuntimeError("the store restarted")
+        if not all(0 <= i < len(spec.block_ids) for i, _ in placed):
+            raise ValueError("the store answered slots for blocks the insert does not have")
+        insert.deadline = insert.sent_at + self._insert_ttl_s - read_margin(self._insert_ttl_s)
+        insert.handle = self._xfer("WRITE", [spec.block_ids[i] for i, _ in placed], [slot for _, slot in placed])
+        insert.posted_at = time.monotonic()
+        insert.num_bytes = len(placed) * self._region.block_bytes
+
+    def _end_insert(self, request_id: str, insert: Insert, commit: bool) -> None:
+        self._inserts.pop(request_id, None)
+        self._finished_sending.add(request_id)
+        if insert.insert_id is not None:
+            future = self.client.call("commit" if commit else "abort", insert.boot_id, insert_id=insert.insert_id)
+            future.add_done_callback(lambda f: f.exception())   # unanswered: the insert's TTL ends it
+
+    def _xfer(self, op: str, local_block_ids: list[int], slots: list[int]) -> Any:
+        store, local = self._store, self._region
+        if not slots or len(slots) != len(local_block_ids):
+            raise ValueError("a transfer needs one slot per block")
+        if not (0 <= min(slots) and max(slots) < store.num_blocks):
+            raise ValueError(f"a store slot out of range [0, {store.num_blocks})")
+        if not (0 <= min(local_block_ids) and max(local_block_ids) < local.num_blocks):
+            raise ValueError(f"a local block id out of range [0, {local.num_blocks})")
+        runs = coalesce(local_block_ids, slots)
+        local_ids, slot_ids, num_blocks = zip(*runs)
+        handle = self.agent.initialize_xfer(
+            op, self.agent.get_xfer_descs(_run_descs(local, local_ids, num_blocks), local.mem_type),
+            self.agent.get_xfer_descs(_run_descs(store, slot_ids, num_blocks), store.mem_type),
+            self._store_agent, b"")
+        try:
+            state = self.agent.transfer(handle)
+        except Exception:
+            handle.release()
+            raise
+        if state == "ERR":
+            handle.release()
+            raise RuntimeError(f"NIXL refused the {op}")
+        self.num_descriptors += len(runs)
+        return handle
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        error_blocks, self._error_blocks = self._error_blocks, set()
+        return error_blocks
+
+    def get_recompute_request_ids(self) -> set[str]:
+        taken, self._recompute = self._recompute, set()
+        return taken
+
+    def num_pending_requests(self) -> int:
+        return (len(self._loads) + len(self._inserts) + len(self._finished_sending) + len(self._finished_recving)
+                + (self._handshake is not None))
+
+    def num_blocks_held(self) -> int:
+        return (sum(len(i.spec.block_ids) for i in self._inserts.values())
+                + sum(len(load.spec.local_block_ids) for load in self._loads.values()))
+
+    def get_stats(self) -> dict[str, Any]:
+        return {
+            "kv_transfer_bytes_total": self.num_bytes,
+            "kv_transfer_descriptors_total": self.num_descriptors,
+            "kv_transfer_failures_total": self.num_failures,
+            "kv_transfer_quarantined_total": self.num_quarantined,
+            "kv_lease_expirations_total": 0,
+            "num_blocks_held_for_transfer": self.num_blocks_held(),
+            "kv_transfer_seconds": self.transfer_seconds.to_dict(),
+            "kv_store_loaded_blocks_total": self.num_loaded_blocks,
+            "kv_store_inserted_blocks_total": self.num_inserted_blocks,
+            "kv_store_errors_total": self.client.num_errors,
+            "kv_store_connected": int(self.client.is_ready),
+            "kv_store_lookups_total": self.client.num_lookups,
+            "kv_store_hits_total": self.client.num_hits,
+        }
+
+    def shutdown(self) -> None:
+        deadline = time.monotonic() + 5.0
+        while (self._loads or self._inserts) and time.monotonic() < deadline:
+            self.get_finished()
+            time.sleep(0.005)
+        self.client.close()
+        if self._reg_descs is not None:
+            self.agent.deregister_memory(self._reg_descs)
+            self._reg_descs = None

@@ -1,0 +1,291 @@
+"""The store handoff through the connector contract, against a real `pdserve kv-store` server and real NIXL
+(DRAM → DRAM over UCX): P inserts, D looks up and READs; and each way out of a failed load (a lease that
+ran out, a store that restarted or is down, an insert that never lands) ends in a recompute, never in
+wrong KV. Every test ends with both workers idle."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from pdserve.config import KVTransferConfig
+from pdserve.core.request import Request, RequestStatus
+from pdserve.kv_transfer.factory import create_connector
+from pdserve.sampling_params import SamplingParams
+from tests.kv_transfer.helpers import nixl_available
+
+if not nixl_available():
+    pytest.skip("needs NIXL (nixl or nixl_cu13)", allow_module_level=True)
+
+from pdserve.kv_store.server import KVStoreServer  # noqa: E402
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16
+COMPAT = {"model": "store-test", "dtype": "float32", "block_size": BLOCK_SIZE}
+KV_SHAPE = (NUM_BLOCKS, 2, 2, BLOCK_SIZE, 1, 8)   # [blocks, layers, kv, slots, heads, dim]: 512-byte blocks
+BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 8 * 4
+
+
+@pytest.fixture
+def store():
+    servers = []
+
+    def make(**kwargs):
+        server = KVStoreServer("127.0.0.1", 0, kwargs.pop("capacity", 64 * BLOCK_BYTES), **kwargs)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def instance():
+    made = []
+
+    def make(server, role="both", **extra):
+        config = KVTransferConfig(kv_connector="store", kv_role=role, engine_id=f"{role}-{uuid.uuid4().hex[:6]}",
+                                  kv_store=f"127.0.0.1:{server.port}", extra=extra)
+        sched, worker = create_connector(config, BLOCK_SIZE, COMPAT, hash_extra="test")
+        kv = torch.zeros(KV_SHAPE)
+        worker.register_kv_caches(kv)
+        made.append(worker)
+        wait_for(lambda: (worker.get_finished(), sched.client.is_ready)[1], "the handshake")
+        return sched, worker, kv
+
+    yield make
+    for worker in made:
+        worker.shutdown()
+
+
+def wait_for(cond, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def step_until(workers, until, timeout=10.0):
+    """Step the workers as engines do (start_load_kv is the caller's) until until(sending, recving)."""
+    sending, recving = set(), set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for w in workers:
+            s, r = w.get_finished()
+            sending |= s
+            recving |= r
+        if until(sending, recving):
+            return sending, recving
+        time.sleep(0.002)
+    raise AssertionError(f"timed out; sending={sending} recving={recving}")
+
+
+def finished_request(request_id, prompt, **params):
+    request = Request(request_id, prompt, SamplingParams(max_tokens=1), kv_transfer_params=params or None)
+    request.num_computed_tokens = len(prompt)
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    return request
+
+
+def insert(p_sched, p_worker, request, block_ids, kv):
+    for b in block_ids:
+        kv[b].fill_(float(b + 1))
+    delay_free, params = p_sched.request_finished(request, block_ids)
+    p_worker.start_load_kv(p_sched.build_connector_meta(None))
+    return delay_free, params
+
+
+def store_prompt(server, sched, worker, kv, request_id, prompt, block_ids):
+    """An instance finishes a request and its insert lands in the store."""
+    num_stored = server.index.num_stored
+    insert(sched, worker, finished_request(request_id, prompt), block_ids, kv)
+    step_until([worker], lambda s, r: request_id in s)
+    wait_for(lambda: server.index.num_stored > num_stored, "the commit")
+
+
+def lookup(sched, worker, request, num_computed=0, timeout=10.0):
+    """request_added, then get_num_new_matched_tokens until it knows (the scheduler asks every step)."""
+    sched.request_added(request)
+    deadline = time.monotonic() + timeout
+    while True:
+        num, is_async = sched.get_num_new_matched_tokens(request, num_computed)
+        if num is not None:
+            return num, is_async
+        assert time.monotonic() < deadline, "the lookup never answered"
+        worker.get_finished()
+        time.sleep(0.002)
+
+
+def assert_idle(server, *workers):
+    for w in workers:
+        assert w.num_pending_requests() == 0
+        assert w.num_blocks_held() == 0
+    wait_for(lambda: not server.index.leases and not server.index.inserts, "the store's leases to go")
+    server.index.check()
+
+
+def test_p_inserts_and_d_loads_through_the_contract(store, instance):
+    server = store()
+    p_sched, p_worker, p_kv = instance(server, "producer")
+    d_sched, d_worker, d_kv = instance(server, "consumer")
+    prompt = list(range(13))                                  # 3 full blocks and a partial one
+    p_req = finished_request("p-req", prompt, do_remote_decode=True)
+    delay_free, params = insert(p_sched, p_worker, p_req, [3, 4, 9, 10], p_kv)
+    assert delay_free and params["do_remote_prefill"] and params["num_remote_tokens"] == 12
+    # D gets P's answer before P's insert has landed: its lookup waits for the 3 blocks.
+    d_req = Request("d-req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params)
+    sending = set()
+    d_sched.request_added(d_req)
+    while (result := d_sched.get_num_new_matched_tokens(d_req, 0))[0] is None:
+        sending |= p_worker.get_finished()[0]
+        d_worker.get_finished()
+        time.sleep(0.002)
+    assert result == (12, True)
+    d_blocks = [0, 1, 2, 7]
+    d_sched.update_state_after_alloc(d_req, d_blocks, 12)
+    d_worker.start_load_kv(d_sched.build_connector_meta(None))
+    sending, _ = step_until([p_worker, d_worker], lambda s, r: "d-req" in r and ("p-req" in s or "p-req" in sending))
+    assert d_worker.get_block_ids_with_load_errors() == set() and d_worker.get_recompute_request_ids() == set()
+    for local, remote in zip(d_blocks[:3], [3, 4, 9]):
+        assert torch.equal(d_kv[local], p_kv[remote])
+    assert torch.count_nonzero(d_kv[7]) == 0                 # the partial block is D's to compute
+    assert d_worker.get_stats()["kv_transfer_descriptors_total"] == 1   # d 0,1,2 ← slots 0,1,2: one run
+    assert_idle(server, p_worker, d_worker)
+
+
+def test_a_second_insert_of_a_stored_prefix_writes_only_the_new_blocks(store, instance):
+    server = store()
+    sched, worker, kv = instance(server)
+    store_prompt(server, sched, worker, kv, "a", list(range(8)), [1, 2])
+    store_prompt(server, sched, worker, kv, "b", list(range(16)), [5, 6, 7, 8])
+    assert worker.get_stats()["kv_store_inserted_blocks_total"] == 4
+    assert_idle(server, worker)
+
+
+def test_any_instance_loads_what_another_stored(store, instance):
+    """Multi-turn reuse: a plain request (no kv_transfer_params) on a second instance finds the first's
+    prompt, past its own local prefix-cache hit of one block."""
+    server = store()
+    a_sched, a_worker, a_kv = instance(server)
+    b_sched, b_worker, b_kv = instance(server)
+    store_prompt(server, a_sched, a_worker, a_kv, "turn-1", list(range(12)), [4, 5, 6])
+    turn2 = Request("turn-2", list(range(12)) + [50, 51, 52, 53, 54], SamplingParams(max_tokens=2))
+    assert lookup(b_sched, b_worker, turn2, num_computed=4) == (8, True)
+    turn2.num_computed_tokens = 4
+    b_sched.update_state_after_alloc(turn2, [0, 8, 9, 10, 11], 8)
+    b_worker.start_load_kv(b_sched.build_connector_meta(None))
+    step_until([b_worker], lambda s, r: "turn-2" in r)
+    assert torch.equal(b_kv[8], a_kv[5]) and torch.equal(b_kv[9], a_kv[6])
+    assert b_worker.get_block_ids_with_load_errors() == set()
+    assert_idle(server, a_worker, b_worker)
+
+
+def test_a_lease_that_ran_out_before_the_read_recomputes(store, instance):
+    """The store may give a lapsed lease's slots to another insert: the reader must not READ them."""
+    server = store(lease_s=2.5)
+    sched, worker, kv = instance(server)
+    store_prompt(server, sched, worker, kv, "a", list(range(8)), [1, 2])
+    request = Request("r", list(range(8)) + [9], SamplingParams(max_tokens=2))
+    assert lookup(sched, worker, request) == (8, True)
+    time.sleep(1.6)          # past the client's read deadline (lease 2.5 s minus a 1 s margin)
+    sched.update_state_after_alloc(request, [6, 7, 8], 8)
+    worker.start_load_kv(sched.build_connector_meta(None))
+    step_until([worker], lambda s, r: "r" in r)
+    assert worker.get_block_ids_with_load_errors() == {6, 7}
+    assert worker.get_recompute_request_ids() == {"r"}
+    assert torch.count_nonzero(kv[6]) == 0
+    assert_idle(server, worker)
+
+
+def test_a_restarted_store_is_a_miss_and_the_client_connects_again(store, instance):
+    server = store()
+    sched, worker, kv = instance(server)
+    store_prompt(server, sched, worker, kv, "a", list(range(8)), [1, 2])
+    port = server.port
+    server.close()
+    restarted = KVStoreServer("127.0.0.1", port, 64 * BLOCK_BYTES)
+    try:
+        request = Request("r", list(range(8)) + [9], SamplingParams(max_tokens=2))
+        assert lookup(sched, worker, request) == (0, False)          # the old boot's lookup is refused
+        wait_for(lambda: (worker.get_finished(), sched.client.boot_id == restarted.boot_id)[1],
+                 "a handshake with the new boot", timeout=15)
+        insert(sched, worker, finished_request("b", list(range(8))), [1, 2], kv)
+        step_until([worker], lambda s, r: "b" in s)
+        wait_for(lambda: restarted.index.num_stored == 2, "the commit to the new boot")
+        assert_idle(restarted, worker)
+    finally:
+        restarted.close()
+
+
+def test_a_store_that_is_down_costs_nothing_but_the_hit(store, instance):
+    server = store()
+    sched, worker, kv = instance(server)
+    server.close()
+    request = finished_request("a", list(range(8)))
+    delay_free, _ = insert(sched, worker, request, [1, 2], kv)
+    sending, _ = step_until([worker], lambda s, r: "a" in s)    # P's blocks go free, nothing stored
+    plain = Request("r", list(range(9)), SamplingParams(max_tokens=2))
+    assert lookup(sched, worker, plain) == (0, False)
+    assert worker.num_pending_requests() == 0 and worker.num_blocks_held() == 0
+
+
+def test_d_waits_for_an_insert_that_never_comes_only_until_its_deadline(store, instance):
+    """P answered the router but its insert never reached the store (P died): D computes the prompt itself
+    after store_wait_seconds, and holds no block meanwhile (the request waits before allocation)."""
+    server = store()
+    d_sched, d_worker, _ = instance(server, "consumer", store_wait_seconds=1.0)
+    params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "p-req",
+              "remote_host": "127.0.0.1", "remote_port": server.port, "num_remote_tokens": 12}
+    request = Request("d-req", list(range(13)), SamplingParams(max_tokens=2), kv_transfer_params=params)
+    start = time.monotonic()
+    assert lookup(d_sched, d_worker, request) == (0, False)
+    assert 0.9 < time.monotonic() - start < 5.0
+    assert_idle(server, d_worker)
+
+
+def test_a_request_that_ends_before_its_load_releases_the_lease(store, instance):
+    server = store()
+    sched, worker, kv = instance(server)
+    store_prompt(server, sched, worker, kv, "a", list(range(8)), [1, 2])
+    request = Request("r", list(range(9)), SamplingParams(max_tokens=2))
+    assert lookup(sched, worker, request) == (8, True)
+    assert len(server.index.leases) == 1
+    request.status = RequestStatus.FINISHED_ABORTED
+    sched.request_finished(request, [])
+    assert_idle(server, worker)
+
+
+def test_a_client_of_another_layout_is_refused_naming_both(store, instance):
+    server = store()
+    instance(server)
+    from pdserve.kv_transfer import side_channel
+    reply, _ = side_channel.request("127.0.0.1", server.port, {
+        "type": "handshake", "compat_hash": "other", "compat": {**COMPAT, "dtype": "bfloat16"},
+        "block_bytes": BLOCK_BYTES})
+    assert not reply["ok"] and "dtype store=float32 client=bfloat16" in reply["error"]
+
+
+def test_d_stops_waiting_at_once_when_p_could_not_store_the_prompt(store, instance):
+    """A full store (every slot pinned) cuts P's insert short: D's lookup answers with what is there at
+    once instead of waiting store_wait_seconds for blocks that will not come."""
+    server = store(capacity=2 * BLOCK_BYTES)
+    p_sched, p_worker, p_kv = instance(server, "producer")
+    d_sched, d_worker, _ = instance(server, "consumer", store_wait_seconds=8.0)
+    store_prompt(server, p_sched, p_worker, p_kv, "a", [90] * 8, [1, 2])
+    holder = Request("holder", [90] * 9, SamplingParams(max_tokens=2))
+    assert lookup(d_sched, d_worker, holder) == (8, True)             # pins both slots
+    _, params = insert(p_sched, p_worker, finished_request("p-req", list(range(12)), do_remote_decode=True),
+                       [4, 5, 6], p_kv)
+    step_until([p_worker], lambda s, r: "p-req" in s)
+    request = Request("d-req", list(range(13)), SamplingParams(max_tokens=2), kv_transfer_params=params)
+    start = time.monotonic()
+    assert lookup(d_sched, d_worker, request) == (0, False)
+    assert time.monotonic() - start < 2.0
+    holder.status = RequestStatus.FINISHED_ABORTED
+    d_sched.request_finished(holder, [])
+    assert_idle(server, p_worker, d_worker)
