@@ -1,5 +1,6 @@
-"""TTFT and handoff time of the pull and push handoffs, one request at a time, prompts of 128 to 8,192 tokens
-(issue 16): a 1P1D cluster (`pdserve serve` P and D, the router in front) per connector, the same prompts.
+"""TTFT and handoff time of the pull, push and store handoffs, one request at a time, prompts of 128 to 8,192
+tokens (issue 16): a 1P1D cluster (`pdserve serve` P and D, the router in front; for `store` also a
+`pdserve kv-store`) per connector, the same prompts.
 
     PYTHONPATH=$PWD python3 benchmarks/push_vs_pull.py --out $OUT/push-vs-pull.json              # GPU: 8B shape
     PYTHONPATH=$PWD python3 benchmarks/push_vs_pull.py --device cpu --prompt-lens 128,512,2048 --out F   # CPU
@@ -8,8 +9,9 @@ GPU: Llama-3.1-8B shape, random weights (--load-format dummy, one seed: P and D 
 --gpus P,D (default 0,1; 0,0 puts both on one GPU, each with --gpu-memory-utilization 0.4). CPU: the
 default model, each instance on its own core. Per connector and prompt length: one warm-up request, then
 --repeats timed ones (random token ids, max_tokens 4, ignore_eos, streamed): TTFT as the client sees it,
-and the handoff's own time from the instances' kv_transfer_seconds histograms (D times a pull's READ, P a
-push's WRITE). Outputs are compared token by token between the connectors. Prints and saves JSON.
+and the handoff's own time per request from the instances' kv_transfer_seconds histograms (D times a pull's
+READ, P a push's WRITE; a store handoff is two transfers, P's WRITE into the pool and D's READ from it, and
+its time is their sum). Outputs are compared token by token between the connectors. Prints and saves JSON.
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ import datetime
 import json
 import platform
 import random
+import socket
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,11 +62,24 @@ async def measure(proxy, prefill, decode, model: str, prompts: dict[int, list[li
             out[str(n)] = {"ttft_ms_p50": 1e3 * statistics.median(ttfts) if ttfts else None,
                            "ttft_ms_min": 1e3 * min(ttfts) if ttfts else None,
                            "ttft_ms": [round(1e3 * t, 2) for t in ttfts],
-                           "handoff_ms_mean": 1e3 * (after[0] - before[0]) / handoffs if handoffs else None,
+                           # per request: a store handoff's two transfers add up
+                           "handoff_ms_mean": 1e3 * (after[0] - before[0]) / len(group[1:]) if handoffs else None,
                            "num_handoffs": handoffs, "errors": errors[:3], "token_ids": token_ids}
             print(f"  {n:>5} tokens: TTFT p50 {out[str(n)]['ttft_ms_p50']} ms, handoff "
                   f"{out[str(n)]['handoff_ms_mean']} ms ({handoffs:g} counted), {len(errors)} errors", flush=True)
     return out
+
+
+def wait_listening(port: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on 127.0.0.1:{port}") from None
+            time.sleep(0.2)
 
 
 def main() -> None:
@@ -71,7 +88,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="default: llama-3.1-8b (cuda), default (cpu)")
     p.add_argument("--prompt-lens", default="128,512,2048,8192")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--connectors", default="nixl,nixl-push")
+    p.add_argument("--connectors", default="nixl,nixl-push", help="any of nixl, nixl-push, cuda_ipc, store")
+    p.add_argument("--store-capacity", default="4GiB", help="the kv-store's pool (store)")
     p.add_argument("--gpus", default="0,1", help="P's and D's GPU (cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="/tmp/pdserve-push-vs-pull")
@@ -100,12 +118,21 @@ def main() -> None:
         children = []
         try:
             pin = lambda core: ["--cpu-cores", core] if args.device == "cpu" else []  # noqa: E731
-            prefill = child(common + pin("0") + ["--kv-connector", connector, "--kv-role", "producer"], gpu_p,
-                            log_dir, f"prefill-{connector}")
-            decode = child(common + pin("1") + ["--kv-connector", connector, "--kv-role", "consumer"], gpu_d,
-                           log_dir, f"decode-{connector}")
+            kv = ["--kv-connector", connector]
+            if connector == "store":
+                store = child(["kv-store", "--capacity", args.store_capacity], None, log_dir, "kv-store")
+                children.append(store)
+                wait_listening(store.port)
+                kv += ["--kv-store", f"127.0.0.1:{store.port}"]
+            prefill = child(common + pin("0") + kv + ["--kv-role", "producer"], gpu_p, log_dir, f"prefill-{connector}")
+            decode = child(common + pin("1") + kv + ["--kv-role", "consumer"], gpu_d, log_dir, f"decode-{connector}")
             children += [prefill, decode]
             prefill.wait_healthy(600), decode.wait_healthy(600)
+            deadline = time.monotonic() + 30
+            while connector == "store" and not all(i.metrics().get("kv_store_connected") for i in (prefill, decode)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the instances did not connect to the kv-store within 30 s")
+                time.sleep(0.2)
             proxy = child(["proxy", "--prefill", prefill.url, "--decode", decode.url], None, log_dir, f"proxy-{connector}")
             children.append(proxy)
             proxy.wait_healthy(60)

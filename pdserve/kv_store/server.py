@@ -9,15 +9,17 @@ framed request/reply (kv_transfer/side_channel.py), one message each:
       The first client fixes the layout (block bytes and compat hash); a client of another layout is
       refused with both sides named. boot_id changes when the store restarts: every other message carries
       it, and one naming another boot is refused ("stale_boot"), since slots of a dead boot mean nothing.
-  insert {hashes} → {insert_id, slots: [[i, slot], ...]}  slots to WRITE hashes[i] into (present hashes skipped)
+  insert {insert_id, hashes} → {slots: [[i, slot], ...]}  slots to WRITE hashes[i] into (present hashes skipped)
   commit {insert_id} / abort {insert_id}                  the WRITE is done / failed
-  lookup {hashes, min_blocks, wait_s} → {lease_id, slots} the longest stored run, pinned for lease_s.
+  lookup {lease_id, hashes, min_blocks, wait_s} → {slots} the longest stored run, pinned for lease_s.
       With min_blocks the reply waits (at most MAX_WAIT_PER_CALL_S, so a waiting reader never holds a
       server thread long) while fewer than min_blocks are stored but more are being written: D asks for
       the blocks P announced before P's commit has necessarily arrived. The client asks again until its
       own deadline.
   release {lease_id, drop} → {valid}                    drop: free the blocks now (seed 002's drop_select)
   stats → the index's counters
+The client names its inserts and leases: one whose answer it never got (a store that stalled) it can still
+abort or release, and an abort or release that overtakes its insert or lookup leaves a tombstone.
 
 Deadlines, so that no crashed client leaks the pool: a lease unpins lease_s after the lookup, an insert
 frees its slots insert_ttl_s after it began. A client keeps its own side of both with margin (it READs
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
 import signal
 import threading
@@ -40,7 +43,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kv_store.index import StoreIndex
+from pdserve.kv_store.index import MAX_SLOTS, StoreIndex
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.nixl import nixl_agent, nixl_agent_config
 
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LEASE_S = 30.0
 DEFAULT_INSERT_TTL_S = 90.0
 MAX_WAIT_PER_CALL_S = 0.25
+MAX_CONNECTIONS = 1024   # served at once: every instance's lookups and inserts meet here
 MAX_HASHES_PER_MESSAGE = 1 << 16   # 1M tokens of prompt at 16 tokens per block
 _BUSY_POLL_S, _IDLE_POLL_S = 0.001, 0.05
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -63,6 +67,13 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2) is not None and match.group(2).lower() not in _UNITS:
         raise ValueError(f"capacity: expected bytes like 4GiB, 512MiB or 1000000, got {text!r}")
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+
+
+def _id(message: dict[str, Any], key: str) -> str:
+    value = message.get(key)
+    if not isinstance(value, str) or not 0 < len(value) <= 128:
+        raise ValueError(f"{key}: a string of 1 to 128 characters")
+    return value
 
 
 def _hashes(message: dict[str, Any]) -> list[int]:
@@ -100,7 +111,7 @@ class KVStoreServer:
         self._server = side_channel.SideChannelServer(host, port, {
             "handshake": self._on_handshake, "insert": self._on_insert, "commit": self._on_commit,
             "abort": self._on_abort, "lookup": self._on_lookup, "release": self._on_release,
-            "stats": self._on_stats}, key=auth_key)
+            "stats": self._on_stats}, key=auth_key, max_connections=MAX_CONNECTIONS)
         self.host, self.port = host, self._server.port
         self._progress = threading.Thread(target=self._progress_loop, name="pdserve-kv-store-progress", daemon=True)
         self._progress.start()
@@ -109,12 +120,14 @@ class KVStoreServer:
 
     def _make_pool(self, block_bytes: int) -> None:
         num_slots = self.capacity_bytes // block_bytes
-        if num_slots == 0:
-            raise ValueError(f"capacity {self.capacity_bytes} bytes holds no block of {block_bytes} bytes")
+        if not 0 < num_slots <= MAX_SLOTS:
+            raise ValueError(f"capacity {self.capacity_bytes} bytes holds {num_slots} blocks of {block_bytes} bytes; "
+                             f"the store holds 1 to {MAX_SLOTS}")
+        index = StoreIndex(num_slots)
         self._buffer = torch.zeros(num_slots * block_bytes, dtype=torch.uint8)  # touched: resident now
         self._reg_descs = self.agent.register_memory(self._buffer)
         self._blob = self.agent.get_agent_metadata()
-        self.index = StoreIndex(num_slots)
+        self.index = index
         self.block_bytes = block_bytes
         logger.info("kv-store: %d slots of %d bytes (%.1f GiB)", num_slots, block_bytes,
                     num_slots * block_bytes / 2**30)
@@ -148,18 +161,20 @@ class KVStoreServer:
         return None
 
     def _on_insert(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
-        hashes = _hashes(message)
+        hashes, insert_id = _hashes(message), _id(message, "insert_id")
         with self._lock:
             if (refusal := self._refusal(message)) is not None:
                 return refusal, b""
-            insert_id, placed = self.index.begin_insert(hashes, self.insert_ttl_s)
-        return {"ok": True, "insert_id": insert_id, "slots": placed}, b""
+            placed = self.index.begin_insert(insert_id, hashes, self.insert_ttl_s)
+            if placed is None:
+                return {"ok": False, "error": f"insert {insert_id!r} is in use or was aborted"}, b""
+        return {"ok": True, "slots": placed}, b""
 
     def _on_commit(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         with self._lock:
             if (refusal := self._refusal(message)) is not None:
                 return refusal, b""
-            num_blocks = self.index.commit(str(message.get("insert_id")))
+            num_blocks = self.index.commit(_id(message, "insert_id"))
             self._lock.notify_all()   # readers waiting for these blocks
         return {"ok": True, "num_blocks": num_blocks}, b""
 
@@ -167,16 +182,17 @@ class KVStoreServer:
         with self._lock:
             if (refusal := self._refusal(message)) is not None:
                 return refusal, b""
-            num_blocks = self.index.abort(str(message.get("insert_id")))
+            num_blocks = self.index.abort(_id(message, "insert_id"))
             self._lock.notify_all()
         return {"ok": True, "num_blocks": num_blocks}, b""
 
     def _on_lookup(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
-        hashes = _hashes(message)
+        hashes, lease_id = _hashes(message), _id(message, "lease_id")
         min_blocks = message.get("min_blocks") or 0
         wait_s = message.get("wait_s") or 0.0
-        if not isinstance(min_blocks, int) or not isinstance(wait_s, (int, float)):
-            raise ValueError("lookup: min_blocks must be an integer and wait_s a number")
+        if (not isinstance(min_blocks, int) or not isinstance(wait_s, (int, float))
+                or not math.isfinite(wait_s)):   # (JSON lets NaN and Infinity through)
+            raise ValueError("lookup: min_blocks must be an integer and wait_s a finite number")
         wait_s = max(float(wait_s), 0.0)
         deadline = time.monotonic() + min(wait_s, MAX_WAIT_PER_CALL_S)
         with self._lock:
@@ -185,7 +201,7 @@ class KVStoreServer:
                     return refusal, b""
                 num_stored, num_pending = self.index.longest_run(hashes)
                 left = deadline - time.monotonic()
-                if num_stored >= min(min_blocks, len(hashes)) or left <= 0:
+                if num_stored >= min(min_blocks, len(hashes)) or not left > 0:
                     break
                 if not num_pending and self.index.is_refused(hashes[num_stored]):
                     break   # the writer could not store the next block: it will not come
@@ -193,15 +209,16 @@ class KVStoreServer:
             if (num_stored < min(min_blocks, len(hashes)) and wait_s > MAX_WAIT_PER_CALL_S
                     and (num_pending or not self.index.is_refused(hashes[num_stored]))):
                 return {"ok": True, "again": True, "num_stored": num_stored}, b""   # the client asks again
-            lease_id, slots = self.index.lookup(hashes, self.lease_s)
-        return {"ok": True, "lease_id": lease_id, "slots": slots, "lease_s": self.lease_s,
-                "num_pending": num_pending}, b""
+            slots = self.index.lookup(lease_id, hashes, self.lease_s)
+            if slots is None:
+                return {"ok": False, "error": f"lease {lease_id!r} is in use or was released"}, b""
+        return {"ok": True, "slots": slots, "lease_s": self.lease_s, "num_pending": num_pending}, b""
 
     def _on_release(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         with self._lock:
             if (refusal := self._refusal(message)) is not None:
                 return refusal, b""
-            valid = self.index.release(str(message.get("lease_id")), drop=bool(message.get("drop")))
+            valid = self.index.release(_id(message, "lease_id"), drop=bool(message.get("drop")))
         return {"ok": True, "valid": valid}, b""
 
     def _on_stats(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
@@ -209,7 +226,7 @@ class KVStoreServer:
             if self.index is None:
                 return {"ok": True, "num_slots": 0}, b""
             return {"ok": True, "num_slots": self.index.num_slots, "block_bytes": self.block_bytes,
-                    "num_stored": self.index.num_stored, "num_free": len(self.index.free_slots),
+                    "num_stored": self.index.num_stored, "num_free": len(self.index.free_slots) + self.index.num_untouched,
                     "num_leases": len(self.index.leases), "num_inserts": len(self.index.inserts),
                     **self.index.stats.__dict__}, b""
 

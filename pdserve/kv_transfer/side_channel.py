@@ -127,14 +127,15 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     request_queue_size = 128   # the listen backlog (socketserver's 5 makes a burst of Ds retry SYNs for seconds)
 
-    def __init__(self, address: tuple[str, int], handlers: dict[str, Handler], key: str | None) -> None:
-        self.handlers, self.key = handlers, key
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+    def __init__(self, address: tuple[str, int], handlers: dict[str, Handler], key: str | None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self.handlers, self.key, self.max_connections = handlers, key, max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, _RequestHandler)
 
     def process_request(self, request, client_address) -> None:
         if not self._slots.acquire(blocking=False):
-            logger.warning("side channel: %d connections open; refusing %s", MAX_CONNECTIONS, client_address)
+            logger.warning("side channel: %d connections open; refusing %s", self.max_connections, client_address)
             self.shutdown_request(request)
             return
         try:
@@ -161,7 +162,7 @@ class _RequestHandler(socketserver.BaseRequestHandler):
             logger.warning("side channel: bad request from %s: %s", self.client_address, e)
             return
         kind = message.get("type")
-        handler = self.server.handlers.get(kind)  # type: ignore[attr-defined]
+        handler = self.server.handlers.get(kind) if isinstance(kind, str) else None  # type: ignore[attr-defined]
         refusal = verify(message, blob, self.server.key)  # type: ignore[attr-defined]
         if refusal is not None:
             logger.warning("side channel: %s from %s refused: %s", kind, self.client_address, refusal)
@@ -186,8 +187,9 @@ class _RequestHandler(socketserver.BaseRequestHandler):
 class SideChannelServer:
     """A TCP server in a background thread; binds at construction (port 0: a free port)."""
 
-    def __init__(self, host: str, port: int, handlers: dict[str, Handler], key: str | None = None) -> None:
-        self._server = _Server((host, port), handlers, key)
+    def __init__(self, host: str, port: int, handlers: dict[str, Handler], key: str | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self._server = _Server((host, port), handlers, key, max_connections)
         self.host = host
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},

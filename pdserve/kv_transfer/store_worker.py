@@ -106,7 +106,9 @@ class StoreConnectorWorker(KVConnectorWorker):
     def _advance_handshake(self) -> None:
         if self.client.is_ready and self._store is not None:
             return
-        if self._store_agent is not None and not self.client.is_ready:   # the store restarted
+        if self._store_agent is not None:   # the store restarted: once nothing moves to or from the old one
+            if self._loads or any(i.handle is not None for i in self._inserts.values()):
+                return
             self._disconnect()
         if self._handshake is None:
             if time.monotonic() - self._handshake_at >= HANDSHAKE_RETRY_S:
@@ -125,7 +127,7 @@ class StoreConnectorWorker(KVConnectorWorker):
             return
         self._store, self._store_agent = store, reply["agent_name"]
         self._insert_ttl_s = float(reply["insert_ttl_s"])
-        self.client.boot_id = reply["boot_id"]
+        self.client.set_boot(reply["boot_id"])
         logger.info("KV store at %s:%d: %d slots of %d bytes", *self.client.address, store.num_blocks,
                     store.block_bytes)
 
@@ -160,11 +162,12 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._loads[spec.request_id] = Load(spec, handle, now)
 
     def _start_insert(self, spec: StoreInsertSpec) -> None:
-        if self._store is None or not self.client.is_ready:
+        boot_id = self.client.boot_id
+        if self._store is None or boot_id is None:
             self._finished_sending.add(spec.request_id)   # nothing stored; the blocks go free
             return
-        insert = Insert(spec, sent_at=time.monotonic(), boot_id=self.client.boot_id)
-        insert.reply = self.client.call("insert", insert.boot_id, hashes=spec.hashes)
+        insert = Insert(spec, sent_at=time.monotonic(), boot_id=boot_id)
+        insert.insert_id, insert.reply = self.client.insert(boot_id, spec.hashes)
         self._inserts[spec.request_id] = insert
 
     def get_finished(self) -> tuple[set[str], set[str]]:
@@ -229,10 +232,15 @@ class StoreConnectorWorker(KVConnectorWorker):
                 return
             try:
                 reply = insert.reply.result()
+            except Exception as e:   # (unanswered: the client aborts it by name)
+                logger.info("request %s: not stored: %s", request_id, e)
+                self._end_insert(request_id, insert, None)
+                return
+            try:
                 self._post_insert(insert, reply)
             except Exception as e:
                 logger.info("request %s: not stored: %s", request_id, e)
-                self._end_insert(request_id, insert, commit=False)
+                self._end_insert(request_id, insert, "abort")
             return
         state = self._state(insert.handle)
         if state == "PROC" and now < insert.deadline:
@@ -248,17 +256,20 @@ class StoreConnectorWorker(KVConnectorWorker):
             self.num_inserted_blocks += insert.num_bytes // self._region.block_bytes
         else:
             self.num_failures += 1
-        self._end_insert(request_id, insert, commit=state == "DONE")
+        # A WRITE aborted at its deadline is not aborted at the store: its slots wait out the insert's TTL,
+        # in case the transport's abort left anything in flight.
+        self._end_insert(request_id, insert, "commit" if state == "DONE" else "abort" if state == "ERR" else None)
 
     def _post_insert(self, insert: Insert, reply: dict[str, Any]) -> None:
-        insert.insert_id = reply["insert_id"]
         placed = [(int(i), int(slot)) for i, slot in reply["slots"]]
         spec = insert.spec
         if not placed:
-            self._end_insert(spec.request_id, insert, commit=False)
+            self._end_insert(spec.request_id, insert, None)   # (nothing pending at the store)
             return
         if insert.boot_id != self.client.boot_id or self._store is None:
             raise RuntimeError("the store restarted")
+        if time.monotonic() >= insert.sent_at + self._insert_ttl_s - read_margin(self._insert_ttl_s):
+            raise RuntimeError("the store's slots came too late to write them")
         if not all(0 <= i < len(spec.block_ids) for i, _ in placed):
             raise ValueError("the store answered slots for blocks the insert does not have")
         insert.deadline = insert.sent_at + self._insert_ttl_s - read_margin(self._insert_ttl_s)
@@ -266,12 +277,12 @@ class StoreConnectorWorker(KVConnectorWorker):
         insert.posted_at = time.monotonic()
         insert.num_bytes = len(placed) * self._region.block_bytes
 
-    def _end_insert(self, request_id: str, insert: Insert, commit: bool) -> None:
+    def _end_insert(self, request_id: str, insert: Insert, outcome: str | None) -> None:
+        """P's blocks go free; outcome: commit, abort, or None (nothing to tell the store)."""
         self._inserts.pop(request_id, None)
         self._finished_sending.add(request_id)
-        if insert.insert_id is not None:
-            future = self.client.call("commit" if commit else "abort", insert.boot_id, insert_id=insert.insert_id)
-            future.add_done_callback(lambda f: f.exception())   # unanswered: the insert's TTL ends it
+        if outcome is not None:
+            self.client.end_insert(outcome, insert.boot_id, insert.insert_id)
 
     def _xfer(self, op: str, local_block_ids: list[int], slots: list[int]) -> Any:
         store, local = self._store, self._region

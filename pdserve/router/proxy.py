@@ -525,7 +525,8 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_PD_MIN_PROMPT_TOKENS})")
     g.add_argument("--cost-tolerance", type=float, default=DEFAULT_COST_TOLERANCE, metavar="F",
                    help="cost: instances whose estimated time to first token is within this fraction of the best "
-                        "one's count as equal and take turns, since the learned rates are noisy "
+                        "one's count as equal, since the learned rates are noisy: the one with the longest cached "
+                        "prefix among them wins, equal ones take turns "
                         f"(default {DEFAULT_COST_TOLERANCE:g}; 0: always the lowest estimate)")
 
 

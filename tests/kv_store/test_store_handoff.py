@@ -289,3 +289,86 @@ def test_d_stops_waiting_at_once_when_p_could_not_store_the_prompt(store, instan
     holder.status = RequestStatus.FINISHED_ABORTED
     d_sched.request_finished(holder, [])
     assert_idle(server, p_worker, d_worker)
+
+
+def test_a_lookup_queued_past_its_lease_is_looked_up_again(store, instance):
+    """The bug: a request that queued longer than the lease (2,000 at once) allocated blocks for a lapsed
+    lease, parked, failed its READ at once and recomputed; it now asks the store again."""
+    server = store(lease_s=2.5)
+    sched, worker, kv = instance(server)
+    store_prompt(server, sched, worker, kv, "a", list(range(8)), [1, 2])
+    request = Request("r", list(range(8)) + [9], SamplingParams(max_tokens=2))
+    assert lookup(sched, worker, request) == (8, True)
+    time.sleep(1.6)          # past the client's read deadline (lease 2.5 s minus a 1 s margin)
+    deadline = time.monotonic() + 5
+    while (answer := sched.get_num_new_matched_tokens(request, 0)) == (None, False):
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    assert answer == (8, True)
+    sched.update_state_after_alloc(request, [6, 7, 8], 8)
+    worker.start_load_kv(sched.build_connector_meta(None))
+    step_until([worker], lambda s, r: "r" in r)
+    assert worker.get_block_ids_with_load_errors() == set() and torch.equal(kv[6], kv[1])
+    assert_idle(server, worker)
+
+
+def test_a_store_that_stops_answering_costs_one_timeout_not_one_per_request(store, instance):
+    """The bug: with a store that accepts and never answers, each lookup held a worker for the whole RPC
+    timeout and each request waited for its own: 40 requests had p50 19.9 s. Now a request gives up on its
+    lookup after a grace period, and after one timeout the client rests before it asks again."""
+    import socket
+    server = store()
+    sched, worker, kv = instance(server)
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    try:
+        sched.client.address = ("127.0.0.1", hung.getsockname()[1])
+        first = Request("a", list(range(9)), SamplingParams(max_tokens=2))
+        start = time.monotonic()
+        assert lookup(sched, worker, first) == (0, False)
+        assert time.monotonic() - start < 4.0
+        wait_for(lambda: not sched.client.is_usable, "the client to rest after the timeout")
+        second = Request("b", list(range(9)), SamplingParams(max_tokens=2))
+        start = time.monotonic()
+        assert lookup(sched, worker, second) == (0, False)
+        assert time.monotonic() - start < 0.5          # no lookup at all while resting
+    finally:
+        hung.close()
+        sched.client.address = ("127.0.0.1", server.port)
+
+
+def test_malformed_store_messages_are_answered_with_an_error_and_hold_nothing(store, instance):
+    from pdserve.kv_transfer import side_channel
+    server = store()
+    sched, _, _ = instance(server)
+    boot = server.boot_id
+    bad = [{"type": "lookup", "boot_id": boot, "lease_id": "x", "hashes": [1], "min_blocks": 1,
+            "wait_s": float("nan")},     # used to spin a server thread forever
+           {"type": "lookup", "boot_id": boot, "lease_id": "y", "hashes": [1], "wait_s": float("inf")},
+           {"type": "lookup", "boot_id": boot, "hashes": [1]},                     # no lease id
+           {"type": "insert", "boot_id": boot, "insert_id": 7, "hashes": [1]},
+           {"type": "insert", "boot_id": boot, "insert_id": "i", "hashes": [True]},
+           {"type": ["lookup"]}]
+    for message in bad:
+        start = time.monotonic()
+        reply, _ = side_channel.request("127.0.0.1", server.port, message)
+        assert not reply["ok"] and reply["error"], message
+        assert time.monotonic() - start < 1.0, message
+    assert not server.index.leases and not server.index.inserts
+
+
+def test_a_first_handshake_with_absurd_block_bytes_is_refused():
+    """The bug: the first client fixes the layout, and block_bytes 1 on a 1 GiB pool made a billion-slot
+    index (40 GB). Such a pool is refused and the layout stays open for a real client."""
+    from pdserve.kv_transfer import side_channel
+    server = KVStoreServer("127.0.0.1", 0, 1 << 30)
+    try:
+        reply, _ = side_channel.request("127.0.0.1", server.port, {
+            "type": "handshake", "compat_hash": "x", "block_bytes": 1})
+        assert not reply["ok"] and "holds 1073741824 blocks" in reply["error"]
+        reply, _ = side_channel.request("127.0.0.1", server.port, {
+            "type": "handshake", "compat_hash": "y", "block_bytes": BLOCK_BYTES})
+        assert reply["ok"]
+    finally:
+        server.close()
