@@ -109,6 +109,8 @@ class KVTransferConfig:
             raise ValueError(f"lease_seconds ({self.lease_seconds}) must be greater than heartbeat_seconds "
                              f"({self.heartbeat_seconds}): D extends P's lease once per heartbeat, so a lease "
                              "no longer than that runs out while D waits")
+        if self.kv_store and self.kv_connector != "store":
+            raise ValueError(f"kv_store: only for kv_connector store (got {self.kv_connector!r})")
         if self.kv_connector == "store":
             if not self.kv_store:
                 raise ValueError("kv_store: kv_connector store needs the store's HOST:PORT (--kv-store)")

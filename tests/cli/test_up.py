@@ -201,3 +201,30 @@ def test_instances_sharing_a_gpu_each_get_their_part_of_its_memory(monkeypatch):
     parsed = [(env["CUDA_VISIBLE_DEVICES"], cli.build_parser().parse_args(cmd[3:])) for cmd, env in started]
     assert [(gpu, args.kv_role, args.gpu_memory_utilization) for gpu, args in parsed] == [
         ("0", "producer", 0.45), ("1", "producer", 0.9), ("0", "consumer", 0.3)]
+
+
+def test_the_store_flags_are_checked_at_start(monkeypatch, capsys):
+    for argv, why in ((["serve", "--kv-connector", "store"], "needs the store's HOST:PORT"),
+                      (["serve", "--kv-connector", "store", "--kv-store", "nowhere"], "expected HOST:PORT"),
+                      (["serve", "--kv-store", "127.0.0.1:8700"], "only for kv_connector store")):
+        assert cli.serve_main(cli.build_parser().parse_args(argv)) == 2, argv
+        assert why in capsys.readouterr().err, argv
+    monkeypatch.delenv("PDSERVE_ROUTER_KEY", raising=False)
+    assert cli.main(["kv-store", "--host", "10.1.2.3"]) == 2   # a public store without a key
+    assert "PDSERVE_ROUTER_KEY" in capsys.readouterr().err
+
+
+def test_up_with_the_store_starts_it_and_points_every_instance_at_it(monkeypatch):
+    from pdserve import cluster
+    started = fake_children(monkeypatch)
+    monkeypatch.setattr(cluster, "wait_listening", lambda *a: None)
+    assert cli.main(["up", "--kv-connector", "store", "--num-colocated", "1", "--port", "8100",
+                     "--kv-store-capacity", "2GiB"]) == 1
+    store_cmd, store_env = started[0]
+    assert store_cmd[2:4] == ["pdserve", "kv-store"] and store_cmd[store_cmd.index("--capacity") + 1] == "2GiB"
+    assert store_env["PDSERVE_ROUTER_KEY"]                       # it checks the cluster's key
+    address = f"127.0.0.1:{store_cmd[store_cmd.index('--port') + 1]}"
+    for cmd, _ in started[1:]:
+        args = cli.build_parser().parse_args(cmd[3:])
+        assert args.kv_connector == "store" and args.kv_store == address
+    assert [cli.build_parser().parse_args(c[3:]).kv_role for c, _ in started[1:]] == ["producer", "consumer", "both"]
