@@ -109,8 +109,8 @@ class KVStoreServer:
         self._blob = b""
         self._closed = threading.Event()
         self._server = side_channel.SideChannelServer(host, port, {
-            "handshake": self._on_handshake, "insert": self._on_insert, "commit": self._on_commit,
-            "abort": self._on_abort, "lookup": self._on_lookup, "release": self._on_release,
+            "handshake": self._on_handshake, "insert": self._on_insert, "commit": self._on_end_insert,
+            "abort": self._on_end_insert, "lookup": self._on_lookup, "release": self._on_release,
             "stats": self._on_stats}, key=auth_key, max_connections=MAX_CONNECTIONS)
         self.host, self.port = host, self._server.port
         self._progress = threading.Thread(target=self._progress_loop, name="pdserve-kv-store-progress", daemon=True)
@@ -170,20 +170,14 @@ class KVStoreServer:
                 return {"ok": False, "error": f"insert {insert_id!r} is in use or was aborted"}, b""
         return {"ok": True, "slots": placed}, b""
 
-    def _on_commit(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+    def _on_end_insert(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        """commit (the WRITE is done) or abort (it failed)."""
         with self._lock:
             if (refusal := self._refusal(message)) is not None:
                 return refusal, b""
-            num_blocks = self.index.commit(_id(message, "insert_id"))
+            end = self.index.commit if message["type"] == "commit" else self.index.abort
+            num_blocks = end(_id(message, "insert_id"))
             self._lock.notify_all()   # readers waiting for these blocks
-        return {"ok": True, "num_blocks": num_blocks}, b""
-
-    def _on_abort(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
-        with self._lock:
-            if (refusal := self._refusal(message)) is not None:
-                return refusal, b""
-            num_blocks = self.index.abort(_id(message, "insert_id"))
-            self._lock.notify_all()
         return {"ok": True, "num_blocks": num_blocks}, b""
 
     def _on_lookup(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
@@ -195,19 +189,20 @@ class KVStoreServer:
             raise ValueError("lookup: min_blocks must be an integer and wait_s a finite number")
         wait_s = max(float(wait_s), 0.0)
         deadline = time.monotonic() + min(wait_s, MAX_WAIT_PER_CALL_S)
+        needed = min(min_blocks, len(hashes))
         with self._lock:
             while True:
                 if (refusal := self._refusal(message)) is not None:
                     return refusal, b""
                 num_stored, num_pending = self.index.longest_run(hashes)
+                # Waiting ends when the run is long enough, or when the next block will not come (the writer
+                # could not store it), or at this exchange's deadline.
+                will_come = num_stored < needed and (num_pending or not self.index.is_refused(hashes[num_stored]))
                 left = deadline - time.monotonic()
-                if num_stored >= min(min_blocks, len(hashes)) or not left > 0:
+                if not will_come or not left > 0:
                     break
-                if not num_pending and self.index.is_refused(hashes[num_stored]):
-                    break   # the writer could not store the next block: it will not come
                 self._lock.wait(left)
-            if (num_stored < min(min_blocks, len(hashes)) and wait_s > MAX_WAIT_PER_CALL_S
-                    and (num_pending or not self.index.is_refused(hashes[num_stored]))):
+            if will_come and wait_s > MAX_WAIT_PER_CALL_S:
                 return {"ok": True, "again": True, "num_stored": num_stored}, b""   # the client asks again
             slots = self.index.lookup(lease_id, hashes, self.lease_s)
             if slots is None:

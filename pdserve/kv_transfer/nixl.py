@@ -54,6 +54,30 @@ def _run_descs(region: Region, first_block_ids: list[int], num_blocks: list[int]
     return rows
 
 
+def post_transfer(agent: Any, op: str, local: Region, remote: Region, remote_agent: str,
+                  runs: list[tuple[int, int, int]], notif: bytes) -> tuple[Any, str]:
+    """One READ or WRITE of the runs (local start, remote start, blocks) between two registered regions;
+    (handle, state). The handle is released here when the post itself fails."""
+    local_ids, remote_ids, num_blocks = zip(*runs)
+    handle = agent.initialize_xfer(
+        op, agent.get_xfer_descs(_run_descs(local, local_ids, num_blocks), local.mem_type),
+        agent.get_xfer_descs(_run_descs(remote, remote_ids, num_blocks), remote.mem_type), remote_agent, notif)
+    try:
+        return handle, agent.transfer(handle)
+    except Exception:
+        handle.release()
+        raise
+
+
+def transfer_state(agent: Any, handle: Any) -> str:
+    """PROC, DONE or ERR; never raises (the binding raises for a failed transfer, e.g. the peer died)."""
+    try:
+        return agent.check_xfer_state(handle)
+    except Exception as e:
+        logger.warning("NIXL transfer status: %s: %s", type(e).__name__, e)
+        return "ERR"
+
+
 class NixlTransport:
     """The NIXL hooks, for either direction (a mixin before the direction's worker class)."""
 
@@ -77,24 +101,10 @@ class NixlTransport:
 
     def _xfer(self, op: str, remote: RemoteEngine, runs: list[tuple[int, int, int]], notif: str) -> tuple[Any, str]:
         """One READ or WRITE of the runs (local start, remote start, blocks); (handle, state)."""
-        local_ids, remote_ids, num_blocks = zip(*runs)
-        local = self._region
-        handle = self.agent.initialize_xfer(
-            op, self.agent.get_xfer_descs(_run_descs(local, local_ids, num_blocks), local.mem_type),
-            self.agent.get_xfer_descs(_run_descs(remote.region, remote_ids, num_blocks), remote.region.mem_type),
-            remote.conn, notif.encode())
-        try:
-            return handle, self.agent.transfer(handle)
-        except Exception:
-            handle.release()
-            raise
+        return post_transfer(self.agent, op, self._region, remote.region, remote.conn, runs, notif.encode())
 
     def _check(self, handle: Any) -> str:
-        try:
-            return self.agent.check_xfer_state(handle)
-        except Exception as e:  # the binding raises for a failed transfer (e.g. the peer died mid-transfer)
-            logger.warning("NIXL transfer status: %s: %s", type(e).__name__, e)
-            return "ERR"
+        return transfer_state(self.agent, handle)
 
     def _release(self, handle: Any) -> None:
         if handle is not None:

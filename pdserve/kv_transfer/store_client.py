@@ -129,8 +129,9 @@ class StoreClient:
             try:
                 return self._request({"type": "insert", "boot_id": boot_id, "insert_id": insert_id,
                                       "hashes": hashes})[0]
-            except StoreUnreachable:
-                self._retry({"type": "abort", "boot_id": boot_id, "insert_id": insert_id})
+            except StoreUnreachable:   # (its own task: P's blocks must not wait for the abort's retries)
+                self._submit(self._control_pool, self._retry,
+                             {"type": "abort", "boot_id": boot_id, "insert_id": insert_id})
                 raise
         return insert_id, self._submit(self._control_pool, run)
 

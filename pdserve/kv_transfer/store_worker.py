@@ -27,10 +27,11 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.base import KVConnectorWorker
-from pdserve.kv_transfer.nixl import _run_descs, nixl_agent, nixl_agent_config
+from pdserve.kv_transfer.nixl import nixl_agent, nixl_agent_config, post_transfer, transfer_state
 from pdserve.kv_transfer.store import StoreConnectorMeta, StoreInsertSpec, StoreLoadSpec
 from pdserve.kv_transfer.store_client import StoreClient, read_margin
-from pdserve.kv_transfer.transport_worker import Histogram, Region, coalesce, compat_hash
+from pdserve.kv_transfer.transport_worker import (Histogram, Region, coalesce, compat_hash, region_of,
+                                                   single_kv_cache)
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +89,10 @@ class StoreConnectorWorker(KVConnectorWorker):
     # ---- start-up and the store's boot -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Any) -> None:
-        kv_cache = kv_caches[0] if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 1 else kv_caches
-        if not isinstance(kv_cache, torch.Tensor) or not kv_cache.is_contiguous():
-            raise ValueError("register_kv_caches: expected one contiguous tensor "
-                             "[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]")
-        self._kv_cache = kv_cache
+        kv_cache = single_kv_cache(kv_caches)
+        self._kv_cache = kv_cache   # registered memory must outlive its registration
         self._reg_descs = self.agent.register_memory(kv_cache)
-        self._region = Region(kv_cache.data_ptr(), kv_cache.shape[0], kv_cache[0].numel() * kv_cache.element_size(),
-                              "VRAM" if kv_cache.is_cuda else "DRAM", kv_cache.device.index or 0)
+        self._region = region_of(kv_cache)
         self._connect()
 
     def _connect(self) -> None:
@@ -182,11 +179,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         return sending, recving
 
     def _state(self, handle: Any) -> str:
-        try:
-            return self.agent.check_xfer_state(handle)
-        except Exception as e:  # the binding raises for a failed transfer
-            logger.warning("NIXL transfer status: %s: %s", type(e).__name__, e)
-            return "ERR"
+        return transfer_state(self.agent, handle)
 
     def _released(self, handle: Any) -> bool:
         """Release a transfer (aborting it if active); False: NIXL cannot yet, keep its blocks."""
@@ -293,16 +286,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         if not (0 <= min(local_block_ids) and max(local_block_ids) < local.num_blocks):
             raise ValueError(f"a local block id out of range [0, {local.num_blocks})")
         runs = coalesce(local_block_ids, slots)
-        local_ids, slot_ids, num_blocks = zip(*runs)
-        handle = self.agent.initialize_xfer(
-            op, self.agent.get_xfer_descs(_run_descs(local, local_ids, num_blocks), local.mem_type),
-            self.agent.get_xfer_descs(_run_descs(store, slot_ids, num_blocks), store.mem_type),
-            self._store_agent, b"")
-        try:
-            state = self.agent.transfer(handle)
-        except Exception:
-            handle.release()
-            raise
+        handle, state = post_transfer(self.agent, op, local, store, self._store_agent, runs, b"")
         if state == "ERR":
             handle.release()
             raise RuntimeError(f"NIXL refused the {op}")

@@ -72,6 +72,21 @@ class Region:
     device_id: int
 
 
+def single_kv_cache(kv_caches: Any) -> torch.Tensor:
+    """The one contiguous KV cache tensor a worker half registers; ValueError otherwise."""
+    kv_cache = kv_caches[0] if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 1 else kv_caches
+    if not isinstance(kv_cache, torch.Tensor) or not kv_cache.is_contiguous():
+        raise ValueError("register_kv_caches: expected one contiguous tensor "
+                         "[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]")
+    return kv_cache
+
+
+def region_of(kv_cache: torch.Tensor) -> Region:
+    """Where the cache lies now (read it after a registration that may move a CPU cache)."""
+    return Region(kv_cache.data_ptr(), kv_cache.shape[0], kv_cache[0].numel() * kv_cache.element_size(),
+                  "VRAM" if kv_cache.is_cuda else "DRAM", (kv_cache.device.index if kv_cache.is_cuda else 0) or 0)
+
+
 @dataclass
 class RemoteEngine:
     engine_id: str
@@ -140,16 +155,10 @@ class TransportWorker(KVConnectorWorker):
     # ---- start-up ----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Any) -> None:
-        kv_cache = kv_caches[0] if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 1 else kv_caches
-        if not isinstance(kv_cache, torch.Tensor) or not kv_cache.is_contiguous():
-            raise ValueError("register_kv_caches: expected one contiguous tensor "
-                             "[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]")
-        block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        kv_cache = single_kv_cache(kv_caches)
         self._kv_cache = kv_cache  # registered memory must outlive its registration
         fields, blob = self._register(kv_cache)  # may move a CPU cache into shared memory: address after
-        device_id = kv_cache.device.index if kv_cache.is_cuda else 0
-        self._region = Region(kv_cache.data_ptr(), kv_cache.shape[0], block_bytes,
-                              "VRAM" if kv_cache.is_cuda else "DRAM", device_id or 0)
+        self._region = region_of(kv_cache)
         self._handshake_fields, self._handshake_blob = fields, blob
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -13,6 +13,8 @@ import torch
 from pdserve.config import KVTransferConfig
 from pdserve.core.request import Request, RequestStatus
 from pdserve.kv_transfer.factory import create_connector
+from pdserve.kv_transfer.store import StoreInsertSpec
+from pdserve.kv_transfer.store_client import RPC_TIMEOUT_S
 from pdserve.sampling_params import SamplingParams
 from tests.kv_transfer.helpers import nixl_available
 
@@ -333,6 +335,12 @@ def test_a_store_that_stops_answering_costs_one_timeout_not_one_per_request(stor
         start = time.monotonic()
         assert lookup(sched, worker, second) == (0, False)
         assert time.monotonic() - start < 0.5          # no lookup at all while resting
+        # An insert already on its way when the store hung: P's blocks come back after one exchange's
+        # timeout, not never (the insert is then aborted at the store by name, in the background).
+        worker._start_insert(StoreInsertSpec("p-req", [11, 12], [1, 2]))
+        assert worker.num_blocks_held() == 2
+        step_until([worker], lambda s, r: "p-req" in s, timeout=RPC_TIMEOUT_S + 3)
+        assert worker.num_blocks_held() == 0 and worker.num_pending_requests() == 0
     finally:
         hung.close()
         sched.client.address = ("127.0.0.1", server.port)
