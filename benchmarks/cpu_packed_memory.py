@@ -1,5 +1,5 @@
-"""Resident memory of one engine on the default model with and without MKL's packed linear weights
-(layers.CPU_PACKED_LINEAR), each in a fresh process after a short generate.
+"""Resident memory of one engine on the default model with and without the packed linear weights
+(layers.CPU_PACKED_LINEAR: MKL on Intel, oneDNN elsewhere), each in a fresh process after a short generate.
 
     .venv/bin/python benchmarks/cpu_packed_memory.py [--out F.json]
 """

@@ -2,15 +2,16 @@
 affects both sides alike.
 
     .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear|packed [--threads 2] [--batch 64]
-        [--prompt-len 256] [--steps 12] [--out F.json]
+        [--prompt-len 256] [--steps 12] [--prefill] [--out F.json]
 
   attention  the C decode attention kernel (model/cpu_kernels.py) against plain torch (BACKEND reference)
   linear     oneDNN's linear against ATen's F.linear (layers.CPU_ONEDNN_LINEAR)
-  packed     MKL's packed GEMM (layers.CPU_PACKED_LINEAR, Intel only) against the oneDNN/ATen rule
+  packed     the packed GEMM (layers.CPU_PACKED_LINEAR: MKL on Intel, oneDNN elsewhere) against the oneDNN/ATen rule
 
 Prefills `batch` random prompts, then times pure-decode steps (schedule + execute + update) with the
 path on and off in turn (ABBA order), and one decode step of a single sequence the same way (the
-single-stream TPOT's engine part). Timing only: token identity is the test suite's job
+single-stream TPOT's engine part). With --prefill it times prefill steps instead: each one a full token
+budget (2,048) of fresh prompts, which finish there (one output token). Timing only: token identity is the test suite's job
 (tests/engine/test_llm_greedy.py runs with both fast paths on).
 """
 from __future__ import annotations
@@ -38,8 +39,35 @@ def set_attention(on: bool) -> None:
     attention.BACKEND = "auto" if on else "reference"
 
 
-SWITCHES = {"linear": (set_linear, "onednn", "aten"), "packed": (set_packed, "mkl_packed", "onednn_aten"),
+SWITCHES = {"linear": (set_linear, "onednn", "aten"), "packed": (set_packed, "packed", "onednn_aten"),
             "attention": (set_attention, "kernel", "torch")}
+
+
+def run_prefill(switch: str, prompt_len: int, steps: int, threads: int) -> dict:
+    flip, on_name, off_name = SWITCHES[switch]
+    llm = LLM("default", num_threads=threads, enable_prefix_caching=False)
+    engine = llm.engine
+    budget = engine.scheduler.config.max_num_batched_tokens
+    rng = random.Random(0)
+    times = {True: [], False: []}
+    for i in range(steps * 2 + 1):
+        for _ in range(-(-budget // prompt_len)):
+            llm.add([rng.randrange(1000, 20000) for _ in range(prompt_len)],
+                    SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        flag = i == 0 or ((i - 1) % 4) in (0, 3)   # an untimed first step (packs, warms), then ABBA
+        flip(flag)
+        start = time.perf_counter()
+        out = engine.scheduler.schedule()
+        engine.scheduler.update_from_output(out, engine.runner.execute_model(out))
+        if i:
+            times[flag].append(time.perf_counter() - start)
+    flip(True)
+    llm.shutdown()
+    return {"prefill_tokens_per_step": budget, "prompt_len": prompt_len,
+            f"{on_name}_ms": [round(t * 1e3, 1) for t in times[True]],
+            f"{off_name}_ms": [round(t * 1e3, 1) for t in times[False]],
+            f"{on_name}_median_ms": round(statistics.median(times[True]) * 1e3, 1),
+            f"{off_name}_median_ms": round(statistics.median(times[False]) * 1e3, 1)}
 
 
 def run(switch: str, batch: int, prompt_len: int, steps: int, threads: int) -> dict:
@@ -80,9 +108,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--prefill", action="store_true", help="time prefill steps, not decode steps")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     _, on_name, off_name = SWITCHES[args.switch]
+    if args.prefill:
+        r = run_prefill(args.switch, args.prompt_len, args.steps, args.threads)
+        on, off = r[f"{on_name}_median_ms"], r[f"{off_name}_median_ms"]
+        print(f"prefill step of {r['prefill_tokens_per_step']} tokens ({args.prompt_len}-token prompts): median "
+              f"{on_name} {on} ms, {off_name} {off} ms ({off / on:.2f}x)")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"switch": args.switch, "threads": args.threads, "prefill": r}, f, indent=1)
+        return
     results = [run(args.switch, b, args.prompt_len, args.steps, args.threads) for b in (args.batch, 1)]
     for r in results:
         on, off = r[f"{on_name}_median_ms"], r[f"{off_name}_median_ms"]

@@ -40,6 +40,7 @@ from pdserve.kv_transfer.factory import create_connector
 from pdserve.model.loader import load_tokenizer, resolve_model_path
 from pdserve.outputs import FinishReason, RequestOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.worker.cpu_memory import keep_freed_memory
 from pdserve.worker.cpu_threads import set_num_threads
 from pdserve.worker.model_runner import ModelRunner, resolve_device_and_dtype
 
@@ -76,6 +77,8 @@ class EngineCore:
         device, dtype = resolve_device_and_dtype(mc)
         if config.num_threads or device.type == "cpu":
             set_num_threads(config.num_threads)
+        if device.type == "cpu":
+            keep_freed_memory()
         # The connector is built after the runner: its compatibility hash needs the model's identity.
         self.runner = ModelRunner(mc, config.cache, None, num_blocks,
                                   max_num_seqs=config.scheduler.max_num_seqs)

@@ -41,14 +41,15 @@ def _onednn_linear_works() -> bool:
         return False
 
 
-# On Intel CPUs every float32 linear layer runs through MKL with its weight packed once (MKL's packed
-# GEMM, what torch.compile's CPU freezing uses): the per-call repacking of the weight goes away. Measured
-# on a 2-core Intel Xeon (AVX-512) with 2 threads (docs/benchmarks.md, issue 15, benchmarks/cpu_step_ab.py
-# --switch packed): a 64-sequence decode step 336 against 387 ms, one sequence 68 against 76 ms. Not on
-# other vendors: on the AMD machine MKL's F.linear ran the LM head at less than half oneDNN's speed, and
-# the packed path was not measured there. Costs one more copy of the weights in memory
-# (benchmarks/cpu_packed_memory.py).
-# PDSERVE_CPU_PACKED_LINEAR=0: off (then the oneDNN rule above).
+# On CPU in float32 every linear layer runs with its weight packed once, into the blocked layout the GEMM
+# kernel reads, instead of being repacked at every call (what torch.compile's CPU freezing does): MKL's
+# packed GEMM on Intel, oneDNN's reordered weight elsewhere. Measured with 2 threads (docs/benchmarks.md,
+# issue 15, benchmarks/cpu_step_ab.py --switch packed): on a 2-core Intel Xeon (AVX-512) a 64-sequence
+# decode step 336 against 387 ms, one sequence 68 against 76 ms; on the 2-core AMD EPYC (AVX2) see the
+# benchmarks page. Not MKL on AMD: there MKL's F.linear ran the LM head at less than half oneDNN's speed.
+# One packing serves every batch size, and a row's numbers do not depend on the batch it shares
+# (tests/model/test_cpu_linear.py). Costs one more copy of the weights in memory
+# (benchmarks/cpu_packed_memory.py). PDSERVE_CPU_PACKED_LINEAR=0: off (then the oneDNN rule above).
 CPU_PACKED_LINEAR = os.environ.get("PDSERVE_CPU_PACKED_LINEAR", "1") == "1"
 _PACK_HINT_ROWS = 64
 
@@ -62,43 +63,64 @@ def _intel_cpu() -> bool:
         return False
 
 
+def _pack_mkl(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_HINT_ROWS)
+
+
+def _pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS)
+
+
+def _linear_mkl(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    # The last argument is the batch the packing is for; MKL's packed B is the same for every batch
+    # (measured: same size, same numbers as a packing for that batch), so give the actual one: another
+    # value makes torch fall back to the unpacked path.
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+
+
+def _linear_onednn(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+PACKERS = {"mkl": (_pack_mkl, _linear_mkl), "onednn": (_pack_onednn, _linear_onednn)}
+
+
 @functools.cache
-def _mkl_packed_works() -> bool:
-    try:
-        x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_HINT_ROWS)
-        return torch.allclose(torch.ops.mkl._mkl_linear(x, packed, w, b, 3), F.linear(x, w, b))
-    except (AttributeError, RuntimeError):
-        return False
+def packer() -> str | None:
+    """The packed GEMM this CPU uses (a key of PACKERS), or None when this torch build has none that works."""
+    for name in (["mkl"] if _intel_cpu() else []) + ["onednn"]:
+        pack, run = PACKERS[name]
+        try:
+            x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
+            if torch.allclose(run(x, pack(w), w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-5):
+                return name
+        except (AttributeError, RuntimeError):   # a torch built without MKL or oneDNN, or an op renamed
+            continue
+    return None
 
 
-def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """MKL's packed copy of weight, kept on the tensor itself (so it dies with it) and redone when the
+def _packed_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """The packed copy of weight, kept on the tensor itself (so it dies with it) and redone when the
     weight is written in place (a reload bumps its version)."""
     cached = getattr(weight, "_pdserve_packed", None)
-    if cached is None or cached[0] != weight._version:
-        cached = (weight._version, torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_HINT_ROWS))
+    if cached is None or cached[0] != (weight._version, name):
+        cached = ((weight._version, name), PACKERS[name][0](weight))
         weight._pdserve_packed = cached
     return cached[1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b); on CPU in float32 through MKL's packed GEMM or oneDNN where they measured faster (above)."""
+    """x W^T (+ b); on CPU in float32 through a packed GEMM or oneDNN where they measured faster (above)."""
     if (CPU_PACKED_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[0] > 0 and weight.is_contiguous() and _intel_cpu() and _mkl_packed_works()):
-        return _packed_linear(x.contiguous(), weight, bias)
+            and x.shape[0] > 0 and weight.is_contiguous() and (name := packer()) is not None):
+        return PACKERS[name][1](x.contiguous(), _packed_weight(weight, name), weight, bias)
     if (CPU_ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
             and x.shape[0] > 0 and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS and weight.is_contiguous()
             and _onednn_linear_works()):
         return _onednn(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
-
-
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # The last argument is the batch the packing is for; MKL's packed B is the same for every batch
-    # (measured: same size, same numbers as a packing for that batch), so give the actual one: another
-    # value makes torch fall back to the unpacked path.
-    return torch.ops.mkl._mkl_linear(x, _packed_weight(weight), weight, bias, x.shape[0])
 
 
 def _onednn(*args):

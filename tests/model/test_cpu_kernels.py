@@ -42,6 +42,16 @@ def test_the_kernel_matches_torch(num_heads, num_kv_heads):
     torch.testing.assert_close(out, torch_decode(q, kv_layer, table, lens, 0.125), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [4.0, 12.0])
+def test_softmax_over_a_wide_range_of_scores(scale):
+    """The kernel's own vector exp: scores spanning hundreds (most weights underflow past e^-87, a few
+    dominate) and lengths not a multiple of its 8 lanes, against torch's softmax."""
+    q, kv_layer, table, lens = paged_case([1, 7, 9, 23, 300], 9, 3)
+    out = torch.empty_like(q)
+    assert cpu_kernels.decode_attention(q, kv_layer, table, lens, scale, out)
+    torch.testing.assert_close(out, torch_decode(q, kv_layer, table, lens, scale), atol=2e-5, rtol=1e-4)
+
+
 def test_a_non_contiguous_query_is_read_right():
     q, kv_layer, table, lens = paged_case([40, 7], 6, 2, head_dim=32)
     wide = torch.randn(2, 6, 96)

@@ -1,5 +1,5 @@
-"""layers.linear on CPU: MKL's packed GEMM on Intel, else oneDNN where it measured faster, ATen's F.linear
-elsewhere; the same numbers every way up to float32 summation order."""
+"""layers.linear on CPU: a packed GEMM (MKL's on Intel, oneDNN's elsewhere), else oneDNN where it measured
+faster, ATen's F.linear elsewhere; the same numbers every way up to float32 summation order."""
 from __future__ import annotations
 
 import pytest
@@ -51,20 +51,41 @@ def test_non_contiguous_input_and_off_switch(monkeypatch):
     assert torch.equal(layers.linear(x, w), F.linear(x, w))
 
 
-needs_packed = pytest.mark.skipif(not (layers._intel_cpu() and layers._mkl_packed_works()),
-                                  reason="MKL's packed GEMM is used on Intel CPUs only")
+needs_packed = pytest.mark.skipif(layers.packer() is None, reason="this torch build has no packed GEMM")
+
+
+def test_the_packer_is_mkl_on_intel_and_onednn_elsewhere():
+    assert layers.packer() == ("mkl" if layers._intel_cpu() else "onednn")
 
 
 @needs_packed
 def test_packed_path_serves_every_weight_at_every_batch(monkeypatch):
     calls = []
-    real = layers._packed_linear
-    monkeypatch.setattr(layers, "_packed_linear", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
+    pack, real = layers.PACKERS[layers.packer()]
+    monkeypatch.setitem(layers.PACKERS, layers.packer(), (pack, lambda x, *a: calls.append(x.shape[0]) or real(x, *a)))
     for rows in (1, 3, 64, 300):
         for w in (torch.randn(2048, 576), torch.randn(96, 576)):
             x = torch.randn(rows, 576)
             torch.testing.assert_close(layers.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
     assert calls == [1, 1, 3, 3, 64, 64, 300, 300]
+
+
+@needs_packed
+@pytest.mark.parametrize("name", sorted(layers.PACKERS))
+def test_a_rows_numbers_do_not_depend_on_its_batch(name):
+    """P/D output equals colocated output only if a request's logits are the same whatever shares its
+    step: a row alone and the same row inside batches of 3 to 2,048 rows, bit for bit."""
+    if name == "mkl" and not layers._intel_cpu():
+        pytest.skip("MKL's packed GEMM is used on Intel only")
+    pack, run = layers.PACKERS[name]
+    gen = torch.Generator().manual_seed(1)
+    for out_features, in_features in [(3072, 576), (576, 1536), (960, 576)]:
+        w = torch.randn(out_features, in_features, generator=gen)
+        packed = pack(w)
+        x = torch.randn(2048, in_features, generator=gen)
+        alone = run(x[:1].clone(), packed, w, None)
+        for rows in (3, 64, 65, 2048):
+            assert torch.equal(run(x[:rows].contiguous(), packed, w, None)[:1], alone), (name, out_features, rows)
 
 
 @needs_packed
