@@ -54,7 +54,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the device runs this one, hiding the engine's "
                         "host work (default: on for CUDA, off for CPU, where it would gain nothing)")
     g.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes of KV cache (CPU default 1 GiB; on CUDA it overrides --gpu-memory-utilization)")
+                   help="bytes of KV cache (CPU default 2 GiB, or an eighth of the memory available at start where less; on CUDA it overrides --gpu-memory-utilization)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="this instance's fraction of its GPU's memory for weights + KV cache (CUDA), never "
                         "more than is free; instances sharing a GPU: fractions adding up to at most ~0.9 "

@@ -27,8 +27,13 @@ def gpu(monkeypatch):
     return State
 
 
-def test_cpu_default_and_explicit_bytes():
-    assert kv_cache_budget(CacheConfig(), torch.device("cpu")) == kv_cache.DEFAULT_CPU_KV_CACHE_BYTES
+def test_cpu_default_and_explicit_bytes(monkeypatch):
+    monkeypatch.setattr(kv_cache, "_available_memory_bytes", lambda: 24 * GIB)
+    assert kv_cache_budget(CacheConfig(), torch.device("cpu")) == kv_cache.DEFAULT_CPU_KV_CACHE_BYTES == 2 * GIB
+    monkeypatch.setattr(kv_cache, "_available_memory_bytes", lambda: 4 * GIB)   # a small box: an eighth
+    assert kv_cache_budget(CacheConfig(), torch.device("cpu")) == GIB // 2
+    monkeypatch.setattr(kv_cache, "_available_memory_bytes", lambda: None)      # no /proc/meminfo
+    assert kv_cache_budget(CacheConfig(), torch.device("cpu")) == 2 * GIB
     assert kv_cache_budget(CacheConfig(kv_cache_memory=123 << 20), torch.device("cpu")) == 123 << 20
 
 
