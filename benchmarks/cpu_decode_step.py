@@ -1,10 +1,12 @@
 """CPU decode step and prefill time of the default model, at a chosen number of torch threads.
 
     .venv/bin/python benchmarks/cpu_decode_step.py [--threads 1] [--batch 64] [--prompt-len 256] [--out F.json]
+        [--profile-prefill]
 
 Prefills `batch` random prompts, runs until every request is decoding, then times 5 pure-decode steps
 (schedule + execute + update), and a [64x576]x[576x3072] fp32 matmul (the machine's GFLOP/s at these threads). Prints the figures and a torch profile of one step (top ops), so
-that a change to the attention path or to threads can be measured before and after.
+that a change to the attention path or to threads can be measured before and after. --profile-prefill
+also prints a torch profile of the first prefill step (a full token budget), by op and input shape.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--out", default=None, help="also write the figures here (JSON)")
+    p.add_argument("--profile-prefill", action="store_true")
     args = p.parse_args()
     llm = LLM("default", num_threads=args.threads, max_num_seqs=args.batch, enable_prefix_caching=False)
     rng = random.Random(0)
@@ -42,6 +45,11 @@ def main() -> None:
     for prompt in prompts:
         llm.add(prompt, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     start = time.perf_counter()
+    if args.profile_prefill:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            out = step()
+        print(f"prefill step of {out.num_scheduled_tokens} tokens (profiled):")
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=12))
     while len((out := step()).scheduled) != args.batch or out.num_scheduled_tokens != args.batch:
         pass
     prefill_s = time.perf_counter() - start
