@@ -63,8 +63,11 @@ def run_prefill(switch: str, prompt_len: int, steps: int, threads: int) -> dict:
             times[flag].append(time.perf_counter() - start)
     flip(True)
     llm.shutdown()
-    return {"prefill_tokens_per_step": budget, "prompt_len": prompt_len,
-            f"{on_name}_ms": [round(t * 1e3, 1) for t in times[True]],
+    return {"prefill_tokens_per_step": budget, "prompt_len": prompt_len, **timings(on_name, off_name, times)}
+
+
+def timings(on_name: str, off_name: str, times: dict[bool, list[float]]) -> dict:
+    return {f"{on_name}_ms": [round(t * 1e3, 1) for t in times[True]],
             f"{off_name}_ms": [round(t * 1e3, 1) for t in times[False]],
             f"{on_name}_median_ms": round(statistics.median(times[True]) * 1e3, 1),
             f"{off_name}_median_ms": round(statistics.median(times[False]) * 1e3, 1)}
@@ -95,10 +98,7 @@ def run(switch: str, batch: int, prompt_len: int, steps: int, threads: int) -> d
         times[flag].append(time.perf_counter() - start)
     flip(True)
     llm.shutdown()
-    return {"batch": batch, "prompt_len": prompt_len, f"{on_name}_ms": [round(t * 1e3, 1) for t in times[True]],
-            f"{off_name}_ms": [round(t * 1e3, 1) for t in times[False]],
-            f"{on_name}_median_ms": round(statistics.median(times[True]) * 1e3, 1),
-            f"{off_name}_median_ms": round(statistics.median(times[False]) * 1e3, 1)}
+    return {"batch": batch, "prompt_len": prompt_len, **timings(on_name, off_name, times)}
 
 
 def main() -> None:
