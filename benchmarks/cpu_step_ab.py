@@ -113,23 +113,17 @@ def main() -> None:
     args = p.parse_args()
     _, on_name, off_name = SWITCHES[args.switch]
     if args.prefill:
-        r = run_prefill(args.switch, args.prompt_len, args.steps, args.threads)
-        on, off = r[f"{on_name}_median_ms"], r[f"{off_name}_median_ms"]
-        print(f"prefill step of {r['prefill_tokens_per_step']} tokens ({args.prompt_len}-token prompts): median "
-              f"{on_name} {on} ms, {off_name} {off} ms ({off / on:.2f}x)")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"switch": args.switch, "threads": args.threads, "prefill": r}, f, indent=1)
-        return
-    results = [run(args.switch, b, args.prompt_len, args.steps, args.threads) for b in (args.batch, 1)]
+        results = [run_prefill(args.switch, args.prompt_len, args.steps, args.threads)]
+    else:
+        results = [run(args.switch, b, args.prompt_len, args.steps, args.threads) for b in (args.batch, 1)]
     for r in results:
         on, off = r[f"{on_name}_median_ms"], r[f"{off_name}_median_ms"]
-        print(f"batch {r['batch']} x {r['prompt_len']} tokens: decode step median {on_name} {on} ms, "
-              f"{off_name} {off} ms ({off / on:.2f}x)")
+        what = (f"prefill step of {r['prefill_tokens_per_step']} tokens ({args.prompt_len}-token prompts)"
+                if args.prefill else f"batch {r['batch']} x {r['prompt_len']} tokens: decode step")
+        print(f"{what}: median {on_name} {on} ms, {off_name} {off} ms ({off / on:.2f}x)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"switch": args.switch, "threads": args.threads, "results": results}, f, indent=1)
-
 
 if __name__ == "__main__":
     main()
