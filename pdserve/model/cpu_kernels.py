@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_attention.c"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_decode_attention.c", "cpu_linear.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ENABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"
 _COMPILE_TIMEOUT_S = 120
@@ -51,8 +51,9 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
-    target = cache_dir() / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS), version,
+                                     _cpu_flags()]).encode())
+    target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +61,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                                 timeout=_COMPILE_TIMEOUT_S)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -84,12 +85,19 @@ def _load() -> ctypes.CDLL | None:
             raise RuntimeError("no C compiler (gcc or cc) on PATH")
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU decode attention kernel unavailable, using plain torch (slower): %s", exc)
+        logger.warning("CPU kernels unavailable, using plain torch (slower): %s", exc)
         return None
     fn = lib.pdserve_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [
         ctypes.c_float]
+    lib.pdserve_packed_linear_numel.restype = ctypes.c_int64
+    lib.pdserve_packed_linear_numel.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.pdserve_pack_linear.restype = None
+    lib.pdserve_pack_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.pdserve_linear.restype = None
+    lib.pdserve_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     _lib = lib
     return _lib
 
@@ -120,3 +128,28 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         q.shape[0], block_tables.shape[1], num_blocks, kv_layer.stride(0), kv_layer.stride(1), block_size,
         q.shape[1], num_kv_heads, head_dim, scale)
     return rc == 0
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 in the kernel's panel layout (model/csrc/cpu_linear.c), for linear()."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are unavailable")
+    weight = weight.contiguous()
+    n, k = weight.shape
+    packed = torch.empty(lib.pdserve_packed_linear_numel(n, k), dtype=torch.float32)
+    lib.pdserve_pack_linear(weight.data_ptr(), packed.data_ptr(), n, k)
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 (rows may be strided) times the weight that pack_linear packed (+ bias): [M, N]."""
+    n, k = weight.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    _lib.pdserve_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                        y.data_ptr(), n, x.shape[0], n, k)
+    return y

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model import triton_linear, triton_norm
+from pdserve.model import cpu_kernels, triton_linear, triton_norm
 
 
 # Small-batch o/down projections through model/triton_linear.py on CUDA in bf16/fp16 (see there);
@@ -42,14 +42,21 @@ def _onednn_linear_works() -> bool:
 
 
 # On CPU in float32 every linear layer runs with its weight packed once, into the blocked layout the GEMM
-# kernel reads, instead of being repacked at every call (what torch.compile's CPU freezing does): MKL's
-# packed GEMM on Intel, oneDNN's reordered weight elsewhere. Measured with 2 threads (docs/benchmarks.md,
-# issue 15, benchmarks/cpu_step_ab.py --switch packed): on a 2-core Intel Xeon (AVX-512) a 64-sequence
-# decode step 336 against 387 ms, one sequence 68 against 76 ms; on the 2-core AMD EPYC (AVX2) see the
-# benchmarks page. Not MKL on AMD: there MKL's F.linear ran the LM head at less than half oneDNN's speed.
+# kernel reads, instead of being repacked at every call (what torch.compile's CPU freezing does). Which
+# GEMM, by CPU:
+# - AVX2 without AVX-512 (the 2-core AMD EPYC): pdserve's own (model/csrc/cpu_linear.c). Against oneDNN's
+#   packed weights, measured in one process with 2 threads, calls alternated (benchmarks/cpu_gemm_shapes.py):
+#   1.1-1.4x at one row, 1.0-1.3x at 64 and 1.0-1.1x at 2,048 over the default model's shapes; a decode
+#   step of one sequence 44.6 against 64.8 ms, of 64 sequences 280 against 311 ms (cpu_step_ab.py --switch
+#   gemm; docs/benchmarks.md, issue 15).
+# - Intel with AVX-512: MKL's packed GEMM (a 2-core Xeon: 64-sequence decode step 336 against 387 ms
+#   unpacked, one sequence 68 against 76 ms); our kernel uses 8-lane vectors only.
+# - elsewhere: oneDNN's reordered weight. Not MKL on AMD: there MKL's F.linear ran the LM head at less
+#   than half oneDNN's speed.
 # One packing serves every batch size, and a row's numbers do not depend on the batch it shares
 # (tests/model/test_cpu_linear.py). Costs one more copy of the weights in memory
-# (benchmarks/cpu_packed_memory.py). PDSERVE_CPU_PACKED_LINEAR=0: off (then the oneDNN rule above).
+# (benchmarks/cpu_packed_memory.py). PDSERVE_CPU_GEMM=pdserve|mkl|onednn picks one (for A/B runs);
+# PDSERVE_CPU_PACKED_LINEAR=0: off (then the oneDNN rule above).
 CPU_PACKED_LINEAR = os.environ.get("PDSERVE_CPU_PACKED_LINEAR", "1") == "1"
 _PACK_HINT_ROWS = 64
 
@@ -84,30 +91,51 @@ def _linear_onednn(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-PACKERS = {"mkl": (_pack_mkl, _linear_mkl), "onednn": (_pack_onednn, _linear_onednn)}
+PACKERS = {"pdserve": (cpu_kernels.pack_linear, cpu_kernels.linear), "mkl": (_pack_mkl, _linear_mkl),
+           "onednn": (_pack_onednn, _linear_onednn)}
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
+def _preferred_packers() -> list[str]:
+    forced = os.environ.get("PDSERVE_CPU_GEMM")
+    if forced:
+        if forced not in PACKERS:
+            raise ValueError(f"PDSERVE_CPU_GEMM={forced!r}: expected one of {', '.join(PACKERS)}")
+        return [forced]
+    flags = _cpu_flags()
+    ours = ["pdserve"] if {"avx2", "fma"} <= flags and "avx512f" not in flags and cpu_kernels.available() else []
+    return ours + (["mkl"] if _intel_cpu() else []) + ["onednn"]
 
 
 @functools.cache
 def packer() -> str | None:
-    """The packed GEMM this CPU uses (a key of PACKERS), or None when this torch build has none that works."""
-    for name in (["mkl"] if _intel_cpu() else []) + ["onednn"]:
+    """The packed GEMM this CPU uses (a key of PACKERS), or None when none works here."""
+    for name in _preferred_packers():
         pack, run = PACKERS[name]
         try:
             x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
             if torch.allclose(run(x, pack(w), w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-5):
                 return name
-        except (AttributeError, RuntimeError):   # a torch built without MKL or oneDNN, or an op renamed
+        except (AttributeError, RuntimeError):   # no kernels, a torch without MKL or oneDNN, an op renamed
             continue
     return None
 
 
 def _packed_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
-    """The packed copy of weight, kept on the tensor itself (so it dies with it) and redone when the
-    weight is written in place (a reload bumps its version)."""
-    cached = getattr(weight, "_pdserve_packed", None)
-    if cached is None or cached[0] != (weight._version, name):
-        cached = ((weight._version, name), PACKERS[name][0](weight))
-        weight._pdserve_packed = cached
+    """The packed copy of weight for GEMM `name`, kept on the tensor itself (so it dies with it) and
+    redone when the weight is written in place (a reload bumps its version)."""
+    cache = weight.__dict__.setdefault("_pdserve_packed", {})
+    cached = cache.get(name)
+    if cached is None or cached[0] != weight._version:
+        cached = cache[name] = (weight._version, PACKERS[name][0](weight))
     return cached[1]
 
 

@@ -1,12 +1,13 @@
-"""layers.linear on CPU: a packed GEMM (MKL's on Intel, oneDNN's elsewhere), else oneDNN where it measured
-faster, ATen's F.linear elsewhere; the same numbers every way up to float32 summation order."""
+"""layers.linear on CPU: a packed GEMM (pdserve's own on AVX2 without AVX-512, MKL's on Intel, oneDNN's
+elsewhere), else oneDNN where it measured faster, ATen's F.linear elsewhere; the same numbers every way up
+to float32 summation order."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import layers
+from pdserve.model import cpu_kernels, layers
 
 
 @pytest.mark.parametrize("rows, out_features, in_features", [
@@ -54,8 +55,41 @@ def test_non_contiguous_input_and_off_switch(monkeypatch):
 needs_packed = pytest.mark.skipif(layers.packer() is None, reason="this torch build has no packed GEMM")
 
 
-def test_the_packer_is_mkl_on_intel_and_onednn_elsewhere():
-    assert layers.packer() == ("mkl" if layers._intel_cpu() else "onednn")
+def test_the_packer_follows_the_cpu():
+    flags = layers._cpu_flags()
+    if {"avx2", "fma"} <= flags and "avx512f" not in flags and cpu_kernels.available():
+        expected = "pdserve"
+    else:
+        expected = "mkl" if layers._intel_cpu() else "onednn"
+    assert layers.packer() == expected
+
+
+def test_the_gemm_can_be_chosen_and_a_wrong_name_is_refused(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_GEMM", "onednn")
+    assert layers._preferred_packers() == ["onednn"]
+    monkeypatch.setenv("PDSERVE_CPU_GEMM", "blas")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_GEMM='blas': expected one of pdserve, mkl, onednn"):
+        layers._preferred_packers()
+
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 100])
+@pytest.mark.parametrize("out_features, in_features", [(16, 8), (37, 13), (200, 576), (48, 3000)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_our_gemm_matches_f_linear_at_every_edge(rows, out_features, in_features, bias):
+    """Row tails (tiles of 6), column tails (panels of 16), odd K, K past the row block's budget, bias,
+    and rows read through a stride (a slice of a wider activation)."""
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    wide = torch.randn(rows, in_features + 5, generator=gen)
+    x = wide[:, 2:2 + in_features]
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    y = cpu_kernels.linear(x, cpu_kernels.pack_linear(w), w, b)
+    # one chain of additions over K: its rounding grows with K (BLAS sums in blocks)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4 * max(1.0, in_features / 576))
 
 
 @needs_packed
@@ -77,15 +111,20 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(name):
     step: a row alone and the same row inside batches of 3 to 2,048 rows, bit for bit."""
     if name == "mkl" and not layers._intel_cpu():
         pytest.skip("MKL's packed GEMM is used on Intel only")
+    if name == "pdserve" and not cpu_kernels.available():
+        pytest.skip("no C compiler here")
     pack, run = layers.PACKERS[name]
     gen = torch.Generator().manual_seed(1)
     for out_features, in_features in [(3072, 576), (576, 1536), (960, 576)]:
         w = torch.randn(out_features, in_features, generator=gen)
         packed = pack(w)
         x = torch.randn(2048, in_features, generator=gen)
-        alone = run(x[:1].clone(), packed, w, None)
-        for rows in (3, 64, 65, 2048):
-            assert torch.equal(run(x[:rows].contiguous(), packed, w, None)[:1], alone), (name, out_features, rows)
+        for row in (0, 2, 7):   # first, middle and last rows of a tile of 6 (pdserve's), each alone
+            alone = run(x[row:row + 1].clone(), packed, w, None)
+            for rows in (3, 8, 64, 65, 2048):
+                if row < rows:
+                    batch = run(x[:rows].contiguous(), packed, w, None)
+                    assert torch.equal(batch[row:row + 1], alone), (name, out_features, rows, row)
 
 
 @needs_packed
