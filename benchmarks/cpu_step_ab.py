@@ -1,13 +1,14 @@
 """A/B of one CPU fast path inside one engine, alternating step by step so that the noisy shared machine
 affects both sides alike.
 
-    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear|packed|gemm [--threads 2] [--batch 64]
+    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear|packed|gemm|fused [--threads 2] [--batch 64]
         [--prompt-len 256] [--steps 12] [--prefill] [--out F.json]
 
   attention  the C decode attention kernel (model/cpu_kernels.py) against plain torch (BACKEND reference)
   linear     oneDNN's linear against ATen's F.linear (layers.CPU_ONEDNN_LINEAR)
   packed     the packed GEMM (layers.CPU_PACKED_LINEAR: MKL on Intel, oneDNN elsewhere) against the oneDNN/ATen rule
   gemm       pdserve's own packed GEMM (model/csrc/cpu_linear.c) against oneDNN's packed weights
+  fused      RMSNorm and SwiGLU as C kernels (model/csrc/cpu_norm.c) against eager torch (layers.CPU_FUSED_OPS)
 
 Prefills `batch` random prompts, then times pure-decode steps (schedule + execute + update) with the
 path on and off in turn (ABBA order), and one decode step of a single sequence the same way (the
@@ -41,12 +42,17 @@ def set_gemm(on: bool) -> None:
     layers.packer = lambda: name
 
 
+def set_fused(on: bool) -> None:
+    layers.CPU_FUSED_OPS = on
+
+
 def set_attention(on: bool) -> None:
     attention.BACKEND = "auto" if on else "reference"
 
 
 SWITCHES = {"linear": (set_linear, "onednn", "aten"), "packed": (set_packed, "packed", "onednn_aten"),
             "gemm": (set_gemm, "pdserve_gemm", "onednn_packed"),
+            "fused": (set_fused, "c_kernels", "eager"),
             "attention": (set_attention, "kernel", "torch")}
 
 

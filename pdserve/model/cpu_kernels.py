@@ -22,7 +22,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_decode_attention.c", "cpu_linear.c")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("cpu_decode_attention.c", "cpu_linear.c", "cpu_norm.c")]
+HEADERS = [CSRC / "vec8.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ENABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"
 _COMPILE_TIMEOUT_S = 120
@@ -51,7 +53,7 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(FLAGS), version,
                                      _cpu_flags()]).encode())
     target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -91,6 +93,12 @@ def _load() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [
         ctypes.c_float]
+    lib.pdserve_rms_norm.restype = None
+    lib.pdserve_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_float]
+    lib.pdserve_silu_and_mul.restype = None
+    lib.pdserve_silu_and_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.pdserve_packed_linear_numel.restype = ctypes.c_int64
     lib.pdserve_packed_linear_numel.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.pdserve_pack_linear.restype = None
@@ -130,11 +138,16 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
     return rc == 0
 
 
-def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 in the kernel's panel layout (model/csrc/cpu_linear.c), for linear()."""
+def _library() -> ctypes.CDLL:
     lib = _load()
     if lib is None:
-        raise RuntimeError("the CPU kernels are unavailable")
+        raise RuntimeError("the CPU kernels are unavailable (see the warning logged when they failed to build)")
+    return lib
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 in the kernel's panel layout (model/csrc/cpu_linear.c), for linear()."""
+    lib = _library()
     weight = weight.contiguous()
     n, k = weight.shape
     packed = torch.empty(lib.pdserve_packed_linear_numel(n, k), dtype=torch.float32)
@@ -150,6 +163,36 @@ def linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: to
     if bias is not None:
         bias = bias.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    _lib.pdserve_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+    _library().pdserve_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                         y.data_ptr(), n, x.shape[0], n, k)
     return y
+
+
+def fits_rows(x: torch.Tensor) -> bool:
+    """x is float32 rows on CPU that the elementwise kernels read in place (2-D, unit stride along a row)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """layers._rms_norm (no residual) or layers._add_rms_norm (returns (normed, x + residual)) on rows that
+    fits_rows accepts; weight dense float32 [hidden]."""
+    rows, h = x.shape
+    out = torch.empty(rows, h, dtype=torch.float32)
+    new_residual = None
+    if residual is not None:
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+        new_residual = torch.empty(rows, h, dtype=torch.float32)
+    _library().pdserve_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                          0 if residual is None else residual.stride(0),
+                          None if new_residual is None else new_residual.data_ptr(), weight.data_ptr(),
+                          out.data_ptr(), h, rows, h, eps)
+    return out if residual is None else (out, new_residual)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """layers._silu_and_mul on rows that fits_rows accepts: [T, 2 * inter] -> [T, inter]."""
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    _library().pdserve_silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
+    return out

@@ -239,7 +239,22 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 rms_norm = _fused_on_cuda(_rms_norm)
 add_rms_norm = _fused_on_cuda(_add_rms_norm)
-silu_and_mul = _fused_on_cuda(_silu_and_mul)
+_silu_and_mul_cuda = _fused_on_cuda(_silu_and_mul)
+
+# On CPU in float32 the same chains run as C kernels (model/csrc/cpu_norm.c), one pass over a row
+# each: measured with benchmarks/cpu_step_ab.py --switch fused (docs/benchmarks.md, issue 15).
+# PDSERVE_CPU_FUSED_OPS=0 keeps them eager.
+CPU_FUSED_OPS = os.environ.get("PDSERVE_CPU_FUSED_OPS", "1") == "1"
+
+
+def _cpu_fused(x: torch.Tensor) -> bool:
+    return CPU_FUSED_OPS and cpu_kernels.fits_rows(x) and cpu_kernels.available()
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _cpu_fused(gate_up):
+        return cpu_kernels.silu_and_mul(gate_up)
+    return _silu_and_mul_cuda(gate_up)
 
 
 # 16-bit RMSNorm (and its residual add) of 2-D rows through model/triton_norm.py on CUDA;
@@ -256,6 +271,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if _cpu_fused(x) and self.weight.dtype == torch.float32 and self.weight.is_contiguous() and (
+                residual is None or cpu_kernels.fits_rows(residual)):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
         if TRITON_RMS_NORM and FUSE_SMALL_OPS and triton_norm.supports(x, self.weight, residual):
             return triton_norm.rms_norm_triton(x, self.weight, self.eps, residual)
         if residual is None:

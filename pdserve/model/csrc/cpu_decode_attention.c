@@ -22,49 +22,7 @@
 #define STACK_SCORES 4096
 #define MAX_GROUP 16
 
-/* Eight floats: GCC's vector extension (AVX2 registers where the CPU has them, SSE pairs otherwise).
- * Written with independent accumulators, because a single chain of fused multiply-adds waits on its own
- * latency: the first, plain-loop version of this kernel ran at a quarter of the memory bandwidth. */
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
-
-static inline float sum8(v8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-/* e^x for x <= 0 (a score minus its row's maximum), eight at a time. glibc's expf is scalar unless
- * -ffast-math, which we do not use, so as not to let the compiler reorder the sums (vectorized, a
- * 64-sequence step's attention went from 62.4 to 55.2 ms, docs/benchmarks.md). Cephes' method: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
- * degree-7 polynomial, 2^n put in the exponent bits. Within 1 ulp of the exact e^x over the range
- * used; below -87.3 (e^x under the smallest normal float) it returns e^-87.3, not 0: next to the row's
- * maximum term, e^0 = 1, that is far below a rounding error. The NaN that arithmetic produces stays NaN. */
-static inline v8 exp8(v8 x) {
-    const v8 lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-    const v8i below = x < lo;
-    x = (v8)(((v8i)lo & below) | ((v8i)x & ~below));
-    /* Rounding to the nearest integer by adding 1.5 * 2^23: the sum's low mantissa bits are n. */
-    const v8 shifter = {0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f};
-    const v8 shifted = x * 1.44269504088896341f + shifter;
-    const v8 n = shifted - shifter;
-    const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const v8i ni = (v8i)shifted - (v8i)shifter;
-    return (v8)((v8i)p + (ni << 23));
-}
+#include "vec8.h"
 
 /* One (sequence, KV head) task for head_dim = 8 * CHUNKS: its group of query heads against every key,
  * softmax, then the weighted values; keys and values read once, in place. */

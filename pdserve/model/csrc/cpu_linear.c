@@ -12,10 +12,7 @@
  * N are zero. A tile is up to 6 rows x 16 columns: twelve accumulators in the sixteen AVX registers,
  * two panel loads and six broadcasts per k for twelve FMAs.
  */
-#include <stdint.h>
-#include <string.h>
-
-typedef float v8 __attribute__((vector_size(32)));
+#include "vec8.h"
 
 #if defined(__FMA__)
 #include <immintrin.h>
@@ -31,9 +28,6 @@ static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
  * 1-2 MiB on recent Xeons): the rows of a decode batch fit in one block, so W streams from memory once. */
 #define ROW_BLOCK_BYTES (256 * 1024)
 #define PANEL_BLOCK_BYTES (96 * 1024)
-
-static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
 int64_t pdserve_packed_linear_numel(int n, int k) { return (int64_t)((n + NR - 1) / NR) * NR * k; }
 
