@@ -3,8 +3,9 @@ F.linear, oneDNN on the dense weight, oneDNN on its packed (reordered) weight (l
 MKL's packed GEMM on Intel, and pdserve's own packed GEMM (model/csrc/cpu_linear.c) where the C kernels
 build; at 1, 64 and 2,048 rows (a single decode, a 64-sequence decode step, a prefill step), beside a
 4096^3 matmul (the machine's practical peak). The ways alternate call by call (the machine is shared and
-noisy), and each call takes the next of several copies of the weight, about 200 MB in all, so that at
-one row the weight comes from memory as in a decode step (537 MB of weights), not from the cache.
+noisy), and each call takes the next of several copies of the weight (about 200 MB of them per weight
+format), so that at one row the weight comes from memory as in a decode step (537 MB of weights), not
+from the cache (32 MiB of L3 here).
 
     .venv/bin/python benchmarks/cpu_gemm_shapes.py [--threads 2] [--out F.json]
 """
@@ -28,12 +29,17 @@ WEIGHT_BYTES_PER_SHAPE = 200e6
 
 
 def alternated_medians(fns: dict, repeats: int) -> dict:
-    """Median seconds of each fn(i) (i: the call's number), the fns called in turn, two warm-up rounds."""
+    """Median seconds of each fn(i), the fns called in turn, the order rotated every round, two warm-up
+    rounds. i counts every call, so that consecutive calls take different copies of a weight."""
     times = {name: [] for name in fns}
+    names = list(fns)
+    call = 0
     for r in range(repeats + 2):
-        for name, fn in fns.items():
+        for j in range(len(names)):
+            name = names[(j + r) % len(names)]
             start = time.perf_counter()
-            fn(r)
+            fns[name](call)
+            call += 1
             if r >= 2:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}

@@ -25,7 +25,7 @@ import statistics
 import time
 
 from pdserve.engine.llm import LLM
-from pdserve.model import attention, layers
+from pdserve.model import attention, cpu_kernels, layers
 from pdserve.sampling_params import SamplingParams
 
 
@@ -38,8 +38,10 @@ def set_packed(on: bool) -> None:
 
 
 def set_gemm(on: bool) -> None:
+    if on and not cpu_kernels.available():
+        raise SystemExit("--switch gemm: the C kernels do not build here")
     name = "pdserve" if on else "onednn"
-    layers.packer = lambda: name
+    layers.packer = lambda: name   # every step asks layers.packer(); main() puts the real one back
 
 
 def set_fused(on: bool) -> None:
@@ -63,16 +65,17 @@ def run_prefill(switch: str, prompt_len: int, steps: int, threads: int) -> dict:
     budget = engine.scheduler.config.max_num_batched_tokens
     rng = random.Random(0)
     times = {True: [], False: []}
-    for i in range(steps * 2 + 1):
+    for i in range(steps * 2 + 2):
         for _ in range(-(-budget // prompt_len)):
             llm.add([rng.randrange(1000, 20000) for _ in range(prompt_len)],
                     SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        flag = i == 0 or ((i - 1) % 4) in (0, 3)   # an untimed first step (packs, warms), then ABBA
+        # an untimed first step on each side (packs weights, warms), then ABBA
+        flag = i == 0 if i < 2 else ((i - 2) % 4) in (0, 3)
         flip(flag)
         start = time.perf_counter()
         out = engine.scheduler.schedule()
         engine.scheduler.update_from_output(out, engine.runner.execute_model(out))
-        if i:
+        if i >= 2:
             times[flag].append(time.perf_counter() - start)
     flip(True)
     llm.shutdown()
@@ -102,6 +105,9 @@ def run(switch: str, batch: int, prompt_len: int, steps: int, threads: int) -> d
 
     while len((out := step()).scheduled) != batch or out.num_scheduled_tokens != batch:
         pass
+    for flag in (False, True):   # an untimed step on each side first: packs its weights, warms
+        flip(flag)
+        step()
     times = {True: [], False: []}
     for i in range(steps * 2):
         flag = (i % 4) in (0, 3)   # ABBA
@@ -125,10 +131,12 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     _, on_name, off_name = SWITCHES[args.switch]
+    real_packer = layers.packer
     if args.prefill:
         results = [run_prefill(args.switch, args.prompt_len, args.steps, args.threads)]
     else:
         results = [run(args.switch, b, args.prompt_len, args.steps, args.threads) for b in (args.batch, 1)]
+    layers.packer = real_packer
     for r in results:
         on, off = r[f"{on_name}_median_ms"], r[f"{off_name}_median_ms"]
         what = (f"prefill step of {r['prefill_tokens_per_step']} tokens ({args.prompt_len}-token prompts)"
@@ -137,6 +145,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"switch": args.switch, "threads": args.threads, "results": results}, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,9 @@ A plain C shared library called through ctypes, not a torch extension: it builds
 (a torch extension compiles torch's headers for a minute), needs nothing but gcc, and links the libgomp
 torch already loaded, so it runs on torch's OpenMP threads. The library lands in a cache directory keyed
 by the source, the flags, the compiler and the CPU, since -march=native code must not run on another CPU.
-When no compiler works, the caller falls back to plain torch: one warning, the same answers, slower.
+When no compiler works, the caller falls back to plain torch: one warning, slower, and answers equal
+up to float32 rounding, not bit for bit (the linear layers then sum in oneDNN's order: a P and a D
+instance should both have the kernels, or both not).
 $PDSERVE_CPU_KERNELS=0 turns the kernels off; $PDSERVE_KERNEL_CACHE moves the cache.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -31,6 +34,7 @@ _COMPILE_TIMEOUT_S = 120
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+_load_lock = threading.Lock()   # engines build in their own processes; threads of one wait for one build
 
 
 def cache_dir() -> Path:
@@ -78,7 +82,14 @@ def _load() -> ctypes.CDLL | None:
     global _lib, _tried
     if _tried:
         return _lib
-    _tried = True
+    with _load_lock:
+        if not _tried:
+            _lib = _build_and_open()
+            _tried = True   # after _lib: a thread that skips the lock never sees "tried" with the build unfinished
+    return _lib
+
+
+def _build_and_open() -> ctypes.CDLL | None:
     if not ENABLED:
         return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -106,8 +117,7 @@ def _load() -> ctypes.CDLL | None:
     lib.pdserve_linear.restype = None
     lib.pdserve_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    _lib = lib
-    return _lib
+    return lib
 
 
 def available() -> bool:
@@ -150,21 +160,33 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     lib = _library()
     weight = weight.contiguous()
     n, k = weight.shape
-    packed = torch.empty(lib.pdserve_packed_linear_numel(n, k), dtype=torch.float32)
+    _check_dims(n, k)
+    packed = torch.empty(lib.pdserve_packed_linear_numel(n, k), dtype=torch.float32, device="cpu")
     lib.pdserve_pack_linear(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
+
+
+def _check_dims(*dims: int) -> None:
+    # the C side takes int sizes, and sizes its blocks by K
+    if not all(0 < d < 2 ** 31 for d in dims):
+        raise ValueError(f"CPU kernels: sizes {dims} outside 1 .. 2^31 - 1")
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 (rows may be strided) times the weight that pack_linear packed (+ bias): [M, N]."""
     n, k = weight.shape
+    lib = _library()
+    if x.shape[1] != k or packed.numel() != lib.pdserve_packed_linear_numel(n, k):
+        raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, packed {packed.numel()} "
+                         f"elements: they do not belong together")
+    _check_dims(x.shape[0], n, k)
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    _library().pdserve_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                        y.data_ptr(), n, x.shape[0], n, k)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32, device="cpu")
+    lib.pdserve_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                       y.data_ptr(), n, x.shape[0], n, k)
     return y
 
 
@@ -177,12 +199,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """layers._rms_norm (no residual) or layers._add_rms_norm (returns (normed, x + residual)) on rows that
     fits_rows accepts; weight dense float32 [hidden]."""
     rows, h = x.shape
-    out = torch.empty(rows, h, dtype=torch.float32)
+    out = torch.empty(rows, h, dtype=torch.float32, device="cpu")
     new_residual = None
     if residual is not None:
         if residual.stride(1) != 1:
             residual = residual.contiguous()
-        new_residual = torch.empty(rows, h, dtype=torch.float32)
+        new_residual = torch.empty(rows, h, dtype=torch.float32, device="cpu")
     _library().pdserve_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                           0 if residual is None else residual.stride(0),
                           None if new_residual is None else new_residual.data_ptr(), weight.data_ptr(),
@@ -193,6 +215,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """layers._silu_and_mul on rows that fits_rows accepts: [T, 2 * inter] -> [T, inter]."""
     rows, width = gate_up.shape
-    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    out = torch.empty(rows, width // 2, dtype=torch.float32, device="cpu")
     _library().pdserve_silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
     return out

@@ -46,7 +46,7 @@ def _onednn_linear_works() -> bool:
 # GEMM, by CPU:
 # - AVX2 without AVX-512 (the 2-core AMD EPYC): pdserve's own (model/csrc/cpu_linear.c). Against oneDNN's
 #   packed weights, measured in one process with 2 threads, calls alternated (benchmarks/cpu_gemm_shapes.py):
-#   1.1-1.4x at one row, 1.0-1.3x at 64 and 1.0-1.1x at 2,048 over the default model's shapes; a decode
+#   1.1-1.4x at one row, 1.0-1.3x at 64 and 0.99-1.1x at 2,048 over the default model's shapes; a decode
 #   step of one sequence 44.6 against 64.8 ms, of 64 sequences 280 against 311 ms (cpu_step_ab.py --switch
 #   gemm; docs/benchmarks.md, issue 15).
 # - Intel with AVX-512: MKL's packed GEMM (a 2-core Xeon: 64-sequence decode step 336 against 387 ms
@@ -117,32 +117,52 @@ def _preferred_packers() -> list[str]:
 
 @functools.cache
 def packer() -> str | None:
-    """The packed GEMM this CPU uses (a key of PACKERS), or None when none works here."""
+    """The packed GEMM this CPU uses (a key of PACKERS), or None when none works here. One chosen by
+    PDSERVE_CPU_GEMM that does not work raises: an A/B run must not measure the fallback unawares."""
+    forced = os.environ.get("PDSERVE_CPU_GEMM")
     for name in _preferred_packers():
         pack, run = PACKERS[name]
         try:
             x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
             if torch.allclose(run(x, pack(w), w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-5):
                 return name
-        except (AttributeError, RuntimeError):   # no kernels, a torch without MKL or oneDNN, an op renamed
+        except (AttributeError, RuntimeError) as exc:   # no kernels, no MKL or oneDNN, an op renamed
+            if forced:
+                raise RuntimeError(f"PDSERVE_CPU_GEMM={forced}: it does not work here: {exc}") from exc
             continue
+    if forced:
+        raise RuntimeError(f"PDSERVE_CPU_GEMM={forced}: its result differs from F.linear here")
     return None
 
 
 def _packed_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
     """The packed copy of weight for GEMM `name`, kept on the tensor itself (so it dies with it) and
-    redone when the weight is written in place (a reload bumps its version)."""
+    redone when the weight changes: written in place (its version), given new storage or shape (the
+    loader writes through .data, which leaves the version alone: LlamaModel.load_weights also drops
+    the copies)."""
     cache = weight.__dict__.setdefault("_pdserve_packed", {})
+    key = (weight._version, weight.data_ptr(), tuple(weight.shape))
     cached = cache.get(name)
-    if cached is None or cached[0] != weight._version:
-        cached = cache[name] = (weight._version, PACKERS[name][0](weight))
+    if cached is None or cached[0] != key:
+        cached = cache[name] = (key, PACKERS[name][0](weight))
     return cached[1]
+
+
+def drop_packed_weights(weight: torch.Tensor) -> None:
+    weight.__dict__.pop("_pdserve_packed", None)
+
+
+def _packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] > 0
+            and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.is_contiguous() and x.shape[1] == weight.shape[1] > 0
+            and (bias is None or (bias.device.type == "cpu" and bias.dtype == torch.float32
+                                  and tuple(bias.shape) == (weight.shape[0],))))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b); on CPU in float32 through a packed GEMM or oneDNN where they measured faster (above)."""
-    if (CPU_PACKED_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[0] > 0 and weight.is_contiguous() and (name := packer()) is not None):
+    if CPU_PACKED_LINEAR and _packable(x, weight, bias) and (name := packer()) is not None:
         return PACKERS[name][1](x.contiguous(), _packed_weight(weight, name), weight, bias)
     if (CPU_ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
             and x.shape[0] > 0 and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS and weight.is_contiguous()

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from pdserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv
-from pdserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, linear, silu_and_mul
+from pdserve.model.layers import (Embedding, Linear, RMSNorm, RotaryEmbedding, drop_packed_weights, linear,
+                                  silu_and_mul)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -195,6 +196,7 @@ class LlamaModel(nn.Module):
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor)
+            drop_packed_weights(params[name])
             rows_left[name] -= target.shape[0]
         missing = [name for name, rows in rows_left.items() if rows != 0]  # (or filled twice)
         if missing:

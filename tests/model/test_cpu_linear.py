@@ -153,3 +153,68 @@ def test_other_dtypes_and_empty_batches_take_f_linear():
     x = torch.randn(20, 4, dtype=torch.bfloat16)
     assert torch.equal(layers.linear(x, w), F.linear(x, w))
     assert layers.linear(torch.randn(0, 4), torch.randn(8, 4)).shape == (0, 8)
+
+
+@needs_packed
+def test_a_reload_through_the_loader_is_packed_again(tiny_model_paths):
+    """load_weights writes through .data, which leaves the version alone: the packings made before a
+    reload must not be served after it (review of the C GEMM: they were)."""
+    from pdserve.model.loader import load_model
+    from tests.helpers_models import PagedRunner
+    model, _ = load_model(tiny_model_paths["llama"], torch.float32, torch.device("cpu"))
+    other, _ = load_model(tiny_model_paths["llama"], torch.float32, torch.device("cpu"), load_format="dummy", seed=3)
+    prompt = list(range(60, 80))
+    PagedRunner(model).step([prompt], [20], [[0, 1, 2]])          # packs every weight
+    model.load_weights(other.state_dict().items())
+    reloaded = PagedRunner(model).step([prompt], [20], [[0, 1, 2]])
+    assert torch.equal(reloaded, PagedRunner(other).step([prompt], [20], [[0, 1, 2]]))
+
+
+@needs_packed
+def test_new_storage_under_the_same_tensor_is_packed_again():
+    w = torch.randn(64, 576)
+    x = torch.randn(3, 576)
+    layers.linear(x, w)
+    w.data = torch.randn(128, 576)              # same tensor object and version, new storage and shape
+    torch.testing.assert_close(layers.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["narrow_x", "float64_weight", "float64_bias", "short_bias"])
+def test_mismatched_operands_never_reach_the_kernel(case):
+    """Shapes and dtypes that do not belong together get F.linear's error or its answer, never a read
+    past a buffer (review of the C GEMM: they were passed to C as raw pointers)."""
+    x, w, b = torch.randn(4, 576), torch.randn(96, 576), None
+    if case == "narrow_x":
+        x = torch.randn(4, 500)
+    elif case == "float64_weight":
+        w = w.double()
+    elif case == "float64_bias":
+        b = torch.randn(96, dtype=torch.float64)
+    elif case == "short_bias":
+        b = torch.randn(95)
+    try:
+        expected = F.linear(x, w, b)
+    except RuntimeError:
+        with pytest.raises(RuntimeError):
+            layers.linear(x, w, b)
+    else:
+        torch.testing.assert_close(layers.linear(x, w, b), expected)
+
+
+@needs_kernels
+def test_the_kernel_refuses_a_packing_of_another_weight():
+    w = torch.randn(96, 576)
+    with pytest.raises(ValueError, match="do not belong together"):
+        cpu_kernels.linear(torch.randn(2, 576), cpu_kernels.pack_linear(torch.randn(48, 576)), w, None)
+
+
+def test_a_forced_gemm_that_does_not_work_is_an_error(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_GEMM", "mkl")
+    broken = (lambda w: (_ for _ in ()).throw(RuntimeError("no MKL here")), layers.PACKERS["mkl"][1])
+    monkeypatch.setitem(layers.PACKERS, "mkl", broken)
+    layers.packer.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="PDSERVE_CPU_GEMM=mkl: it does not work here: no MKL here"):
+            layers.packer()
+    finally:
+        layers.packer.cache_clear()

@@ -6,7 +6,7 @@
  * (decode of one stream, bound by reading W) as well as M = 2,048 (prefill, bound by the FMA units).
  * Measured on the 2-core AMD EPYC against oneDNN's packed weights (benchmarks/cpu_gemm_shapes.py,
  * docs/benchmarks.md): 1.1-1.4x at one row, where oneDNN read W at well under the memory's bandwidth,
- * 1.0-1.3x at 64 rows, 1.0-1.1x at 2,048, over the default model's shapes.
+ * 1.0-1.3x at 64 rows, 0.99-1.1x at 2,048, over the default model's shapes.
  *
  * Packed layout: panel p holds columns 16p..16p+15 of W^T, k-major: packed[p][k][0..15]; columns past
  * N are zero. A tile is up to 6 rows x 16 columns: twelve accumulators in the sixteen AVX registers,
@@ -25,7 +25,8 @@ static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
 #define NR 16
 #define MR 6
 /* Bytes of x rows and of W panels that one task works on, sized for a core's L2 (512 KiB on the EPYC,
- * 1-2 MiB on recent Xeons): the rows of a decode batch fit in one block, so W streams from memory once. */
+ * 1-2 MiB on recent Xeons). A 64-row decode batch is one row block at K = 576 (W streams from memory
+ * once) and two at the down projection's K = 1,536. */
 #define ROW_BLOCK_BYTES (256 * 1024)
 #define PANEL_BLOCK_BYTES (96 * 1024)
 
