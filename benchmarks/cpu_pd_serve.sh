@@ -16,38 +16,7 @@ TAG=${1:-1}
 OUT=${OUT:-$HERE/results/cpu-pd-serve-$(date +%F)}
 mkdir -p "$OUT"
 COLO_PORT=18111 PD_PORT=18121
-vllm_cli() { "$ANCHORS/vllm-venv/bin/python" "$ANCHOR/bin/vllm" "$@"; }
-
-bench() {   # bench NAME PORT
-  local name=$1 port=$2
-  ( . "$ANCHOR/env.sh"
-    for spec in "inf 64 0" "1 16 1"; do
-      set -- $spec
-      local conc=$1 n=$2 seed=$3 extra=()
-      [ "$conc" = 1 ] && extra=(--max-concurrency 1)
-      local file="${name}_conc${conc}_n${n}_run$TAG"
-      vllm_cli bench serve --backend openai --base-url "http://127.0.0.1:$port" --endpoint /v1/completions \
-        --model smollm2 --tokenizer "$MODEL" --dataset-name random --random-input-len 256 \
-        --random-output-len 128 --ignore-eos --temperature 0 --num-prompts "$n" --request-rate inf \
-        --seed "$seed" --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
-        "${extra[@]}" --save-result --result-dir "$OUT" --result-filename "$file.json" > "$OUT/$file.log" 2>&1
-      grep -E "Output token throughput|Median TTFT|Median TPOT" "$OUT/$file.log" | sed "s/^/$name conc=$conc: /"
-    done )
-}
-
-wait_ready() {   # wait_ready PORT TIMEOUT_S
-  local t=0
-  until curl -sf "http://127.0.0.1:$1/health" > /dev/null 2>&1; do
-    sleep 2; t=$((t + 2)); [ $t -ge "$2" ] && { echo "not ready on $1 after $2 s"; return 1; }
-  done
-  return 0
-}
-
-stop() {   # stop PID: SIGINT to its process group, then wait (up to 30 s) before SIGKILL
-  kill -INT -- -"$1" 2>/dev/null
-  for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
-  kill -KILL -- -"$1" 2>/dev/null; wait "$1" 2>/dev/null
-}
+. "$HERE/serve_bench_lib.sh"
 
 if [ "${SKIP_COLOCATED:-0}" != 1 ]; then
   setsid .venv/bin/pdserve serve --host 127.0.0.1 --port $COLO_PORT --served-model-name smollm2 \
