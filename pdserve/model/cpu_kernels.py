@@ -199,6 +199,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """layers._rms_norm (no residual) or layers._add_rms_norm (returns (normed, x + residual)) on rows that
     fits_rows accepts; weight dense float32 [hidden]."""
     rows, h = x.shape
+    if (tuple(weight.shape) != (h,) or weight.dtype != torch.float32 or not weight.is_contiguous()
+            or (residual is not None and (tuple(residual.shape) != (rows, h) or not fits_rows(residual)))):
+        raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, residual "
+                         f"{None if residual is None else tuple(residual.shape)}: they do not belong together")
+    _check_dims(rows, h)
     out = torch.empty(rows, h, dtype=torch.float32, device="cpu")
     new_residual = None
     if residual is not None:
@@ -215,6 +220,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """layers._silu_and_mul on rows that fits_rows accepts: [T, 2 * inter] -> [T, inter]."""
     rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} has an odd width")
+    _check_dims(rows, width)
     out = torch.empty(rows, width // 2, dtype=torch.float32, device="cpu")
     _library().pdserve_silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
     return out

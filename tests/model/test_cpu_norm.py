@@ -75,3 +75,14 @@ def test_the_kernels_load_at_their_first_direct_call(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     gate_up = torch.randn(2, 32)
     torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), layers._silu_and_mul(gate_up))
+
+
+def test_operands_that_do_not_belong_together_are_refused():
+    """(Raw pointers go to C: a weight or residual of another width would be read past its end.)"""
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="do not belong together"):
+        cpu_kernels.rms_norm(x, torch.randn(32), 1e-5)
+    with pytest.raises(ValueError, match="do not belong together"):
+        cpu_kernels.rms_norm(x, torch.randn(64), 1e-5, torch.randn(3, 32))
+    with pytest.raises(ValueError, match="odd width"):
+        cpu_kernels.silu_and_mul(torch.randn(3, 65))
