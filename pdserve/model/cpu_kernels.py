@@ -110,8 +110,6 @@ def _build_and_open() -> ctypes.CDLL | None:
                                      ctypes.c_float]
     lib.pdserve_silu_and_mul.restype = None
     lib.pdserve_silu_and_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.pdserve_packed_linear_numel.restype = ctypes.c_int64
-    lib.pdserve_packed_linear_numel.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.pdserve_pack_linear.restype = None
     lib.pdserve_pack_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.pdserve_linear.restype = None
@@ -161,9 +159,19 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     weight = weight.contiguous()
     n, k = weight.shape
     _check_dims(n, k)
-    packed = torch.empty(lib.pdserve_packed_linear_numel(n, k), dtype=torch.float32, device="cpu")
+    packed = torch.empty(packed_linear_numel(n, k), dtype=torch.float32, device="cpu")
     lib.pdserve_pack_linear(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
+
+
+def packed_linear_numel(n: int, k: int) -> int:
+    """Elements of a packed [n, k] weight: n rounded up to whole 16-column panels (cpu_linear.c's NR)."""
+    return -(-n // 16) * 16 * k
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return frozenset(_cpu_flags().split(":", 1)[-1].split()) if _cpu_flags() else frozenset()
 
 
 def _check_dims(*dims: int) -> None:
@@ -176,7 +184,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: to
     """x [M, K] float32 (rows may be strided) times the weight that pack_linear packed (+ bias): [M, N]."""
     n, k = weight.shape
     lib = _library()
-    if x.shape[1] != k or packed.numel() != lib.pdserve_packed_linear_numel(n, k):
+    if x.shape[1] != k or packed.numel() != packed_linear_numel(n, k):
         raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, packed {packed.numel()} "
                          f"elements: they do not belong together")
     _check_dims(x.shape[0], n, k)

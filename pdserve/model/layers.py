@@ -95,22 +95,13 @@ PACKERS = {"pdserve": (cpu_kernels.pack_linear, cpu_kernels.linear), "mkl": (_pa
            "onednn": (_pack_onednn, _linear_onednn)}
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return frozenset()
-
-
 def _preferred_packers() -> list[str]:
     forced = os.environ.get("PDSERVE_CPU_GEMM")
     if forced:
         if forced not in PACKERS:
             raise ValueError(f"PDSERVE_CPU_GEMM={forced!r}: expected one of {', '.join(PACKERS)}")
         return [forced]
-    flags = _cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     ours = ["pdserve"] if {"avx2", "fma"} <= flags and "avx512f" not in flags and cpu_kernels.available() else []
     return ours + (["mkl"] if _intel_cpu() else []) + ["onednn"]
 

@@ -56,7 +56,7 @@ needs_packed = pytest.mark.skipif(layers.packer() is None, reason="this torch bu
 
 
 def test_the_packer_follows_the_cpu():
-    flags = layers._cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     if {"avx2", "fma"} <= flags and "avx512f" not in flags and cpu_kernels.available():
         expected = "pdserve"
     else:

@@ -9,7 +9,8 @@
  * 1.0-1.3x at 64 rows, 0.99-1.1x at 2,048, over the default model's shapes.
  *
  * Packed layout: panel p holds columns 16p..16p+15 of W^T, k-major: packed[p][k][0..15]; columns past
- * N are zero. A tile is up to 6 rows x 16 columns: twelve accumulators in the sixteen AVX registers,
+ * N are zero (cpu_kernels.packed_linear_numel sizes the buffer). A tile is up to 6 rows x 16
+ * columns: twelve accumulators in the sixteen AVX registers,
  * two panel loads and six broadcasts per k for twelve FMAs.
  */
 #include "vec8.h"
@@ -29,8 +30,6 @@ static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
  * once) and two at the down projection's K = 1,536. */
 #define ROW_BLOCK_BYTES (256 * 1024)
 #define PANEL_BLOCK_BYTES (96 * 1024)
-
-int64_t pdserve_packed_linear_numel(int n, int k) { return (int64_t)((n + NR - 1) / NR) * NR * k; }
 
 void pdserve_pack_linear(const float *w, float *packed, int n, int k) {
     const int panels = (n + NR - 1) / NR;
