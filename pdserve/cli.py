@@ -13,7 +13,7 @@ import signal
 import sys
 
 from pdserve.config import (API_KEY_ENV, LOOPBACK_HOSTS, ROUTER_KEY_ENV, CacheConfig, EngineConfig,
-                            KVTransferConfig, KV_ROLES, ModelConfig, SchedulerConfig, ServerConfig)
+                            KVTransferConfig, KV_ROLES, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
 
 DESCRIPTION = """pdserve: an LLM server with prefill/decode disaggregation and an OpenAI-compatible API.
 
@@ -59,8 +59,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="this instance's fraction of its GPU's memory for weights + KV cache (CUDA), never "
                         "more than is free; instances sharing a GPU: fractions adding up to at most ~0.9 "
                         "(`pdserve up` divides 0.9 among them)")
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of the engine (default: one per core the process may "
-                        "run on; `pdserve up` divides the cores among its instances)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of the engine, per tensor-parallel rank (default: one per "
+                        "core the process may run on, divided among its ranks; `pdserve up` divides the cores among "
+                        "its instances)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks, one process each (CPU: gloo, the cores divided among "
+                        "them; CUDA: NCCL, one visible GPU per rank); it must divide the model's query heads, KV "
+                        "heads and intermediate size (the default model: 1 or 3)")
     g.add_argument("--cpu-cores", default=None,
                    help="pin the engine process to these cores, e.g. 0,1 (CPU deployments)")
 
@@ -230,7 +235,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill,
                                   async_scheduling=args.async_scheduling),
-        kv_transfer=kv, num_threads=args.num_threads, cpu_affinity=cores)
+        kv_transfer=kv, parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        num_threads=args.num_threads, cpu_affinity=cores)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

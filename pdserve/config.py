@@ -64,6 +64,19 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
 
 
+MAX_TENSOR_PARALLEL_SIZE = 64
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1    # ranks (processes) one instance's model is split over
+
+    def validate(self) -> None:
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(f"tensor_parallel_size: must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], "
+                             f"got {self.tensor_parallel_size}")
+
+
 KV_ROLES = ("producer", "consumer", "both")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 # Connectors whose requests the router sends to P and D at once (kv_transfer/push.py); the rest pull.
@@ -151,14 +164,20 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
-    num_threads: int | None = None        # torch CPU threads; None: torch's default
-    cpu_affinity: list[int] | None = None  # pin the engine process to these cores
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    num_threads: int | None = None        # torch CPU threads (per TP rank); None: one per allowed core
+    cpu_affinity: list[int] | None = None  # pin the engine process (its TP ranks: a share each) to these cores
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
         self.kv_transfer.validate()
+        self.parallel.validate()
+        if self.parallel.tensor_parallel_size > 1 and self.kv_transfer.kv_connector is not None:
+            raise ValueError(f"tensor_parallel_size: {self.parallel.tensor_parallel_size} with kv_connector "
+                             f"{self.kv_transfer.kv_connector!r} is not supported yet (the P/D handoff moves one "
+                             "rank's KV cache); serve a tensor-parallel instance colocated")
 
 
 # Secrets reach processes through the environment, never argv: argv is readable by every local user (ps).

@@ -48,16 +48,21 @@ def tiny_hf_config(arch: str):
     raise ValueError(f"arch: expected llama | mistral | qwen2 | qwen3, got {arch!r}")
 
 
-def make_tiny_hf_model(tmp_path: Path | str, arch: str = "llama", seed: int = 0) -> str:
+def make_tiny_hf_model(tmp_path: Path | str, arch: str = "llama", seed: int = 0, **overrides) -> str:
     """Write a tiny random fp32 model of `arch` (+ tokenizer) into tmp_path/<arch>-<seed>; return the path.
+    `overrides` change its config (e.g. vocab_size=267: rows no token id reaches).
 
     Weights are scaled up from HF's init (std 0.02 gives near-uniform logits, so greedy decoding
     would hinge on rounding); norms and biases are randomised too, so loading them is tested.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
-    path = Path(tmp_path) / f"{arch}-{seed}"
+    suffix = "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+    path = Path(tmp_path) / f"{arch}-{seed}{suffix}"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(arch), dtype=torch.float32)
+    config = tiny_hf_config(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

@@ -43,6 +43,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.worker.cpu_memory import keep_freed_memory
 from pdserve.worker.cpu_threads import set_num_threads
 from pdserve.worker.model_runner import ModelRunner, resolve_device_and_dtype
+from pdserve.worker.tp_executor import RankLost, TPExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,11 @@ class EngineCore:
         if device.type == "cpu":
             keep_freed_memory()
         # The connector is built after the runner: its compatibility hash needs the model's identity.
-        self.runner = ModelRunner(mc, config.cache, None, num_blocks,
-                                  max_num_seqs=config.scheduler.max_num_seqs)
+        if config.parallel.tensor_parallel_size > 1:
+            self.runner = TPExecutor(config, num_blocks)
+        else:
+            self.runner = ModelRunner(mc, config.cache, None, num_blocks,
+                                      max_num_seqs=config.scheduler.max_num_seqs)
         info = self.runner.info
         self.max_model_len = self.runner.max_model_len
         if not config.scheduler.enable_chunked_prefill:
@@ -283,6 +287,8 @@ class EngineCore:
         for request_id in [r for r in self.detokenizers if r not in self.scheduler.requests]:
             del self.detokenizers[request_id]
             outputs.append(RequestOutput(request_id, [], "", 0, 0, FinishReason.ERROR, error=message))
+        if isinstance(error, RankLost):  # the ranks are out of step for good: the instance must restart
+            self.broken = f"tensor parallel: {error}"
         if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             # /health shows this to anyone: the count, not the exception (the log above has it).
             self.degraded = f"{self.num_consecutive_failed_steps} engine steps failed in a row"
@@ -370,3 +376,5 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        if isinstance(self.runner, TPExecutor):
+            self.runner.shutdown()

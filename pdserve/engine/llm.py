@@ -5,7 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.outputs import FinishReason
 from pdserve.sampling_params import SamplingParams
@@ -31,7 +31,7 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, async_scheduling: bool | None = None,
                  kv_transfer_config: KVTransferConfig | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, tensor_parallel_size: int = 1) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, load_format=load_format,
                               max_model_len=max_model_len, seed=seed),
@@ -42,6 +42,7 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       async_scheduling=async_scheduling),
             kv_transfer=kv_transfer_config or KVTransferConfig(),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             num_threads=num_threads,
         )
         self.engine = EngineCore(config, num_blocks=num_blocks)

@@ -4,6 +4,11 @@ dense, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm); GQA; tied or unt
 forward() takes a flattened batch (no padding, no batch dim) plus the paged KV cache and its
 AttentionMetadata as arguments: the model knows nothing of requests or scheduling.
 Parameter names follow HF with two fusions: qkv_proj = [q; k; v] rows, gate_up_proj = [gate; up] rows.
+
+Tensor parallelism (parallel/sharding.py): built with a TPGroup of T ranks, each rank holds 1/T of the
+heads, of the MLP's intermediate rows and of the vocabulary; the attention output and MLP down
+projections all-reduce their partial sums, the embedding all-reduces its rows (exactly one rank holds
+each token's), and the logits are all-gathered. With T = 1 every collective is the identity.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from torch import nn
 from pdserve.model.attention import AttentionMetadata, paged_attention, rope_and_write_kv
 from pdserve.model.layers import (Embedding, Linear, RMSNorm, RotaryEmbedding, drop_packed_weights, linear,
                                   silu_and_mul)
+from pdserve.parallel.group import SINGLE, TPGroup
+from pdserve.parallel.sharding import check_tp_size, local_vocab_size, shard, shard_spec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -75,11 +82,13 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp  # this rank's heads only
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype, device)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, device, small_batch_triton=True)
@@ -101,27 +110,29 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope_and_write_kv(q, k, v, cos, sin, kv_layer, attn_metadata.slot_mapping, attn_metadata.block_size)
         out = paged_attention(q, kv_layer, attn_metadata, self.scale)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))     # [T, hidden]
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))  # [T, hidden]
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype, device)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device,
-                                small_batch_triton=True)
+        self.tp = tp
+        inter = cfg.intermediate_size // tp.size  # this rank's rows
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias, dtype, device)
+        self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, device, small_batch_triton=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
+        # [T, 2 * inter] -> [T, inter] -> [T, hidden], summed over the ranks
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, dtype, device)
+        self.self_attn = LlamaAttention(cfg, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(cfg, dtype, device)
+        self.mlp = LlamaMLP(cfg, dtype, device, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,37 +149,60 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE):
         super().__init__()
-        self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        check_tp_size(tp.size, config.num_heads, config.num_kv_heads, config.intermediate_size)
+        self.config, self.tp = config, tp
+        self.vocab_per_rank = local_vocab_size(config.vocab_size, tp.size)
+        self.embed_tokens = Embedding(self.vocab_per_rank, config.hidden_size, dtype, device)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
+                        else Linear(config.hidden_size, self.vocab_per_rank, False, dtype, device))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] long; kv_cache: [blocks, layers, 2, slots, kv_heads, head_dim].
         Returns the final-normed hidden states [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        hidden = self.embed(input_ids)         # [T, hidden]
         cos, sin = self.rotary(positions)      # each [T, 1, head_dim/2]
         residual = None
         for layer_id, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache[:, layer_id], attn_metadata)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        # This rank's rows are the vocabulary's [first, first + vocab_per_rank); other ids give zeros,
+        # so the sum over the ranks is each token's one row, exactly.
+        local_ids = input_ids - self.tp.rank * self.vocab_per_rank
+        outside = (local_ids < 0) | (local_ids >= self.vocab_per_rank)
+        hidden = self.embed_tokens(local_ids.masked_fill(outside, 0))
+        return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] float32."""
+        """hidden: [N, hidden] -> logits [N, vocab] float32 (every rank gets all of them)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        logits = linear(hidden, weight).float()  # [N, vocab_per_rank]
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last_dim(logits)[:, :self.config.vocab_size]
+
+    def shard_spec(self, name: str):
+        """How the full weight `name` (HF's or ours) is split over this model's ranks (None: not split)."""
+        cfg = self.config
+        return shard_spec(name, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                          cfg.intermediate_size, cfg.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (any dtype/device) into the parameters, filling the fused ones by rows.
         Raises ValueError on an unknown name or when a parameter is left unfilled."""
-        cfg = self.config
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        cfg, tp = self.config, self.tp
+        # This rank's rows of each fused part (all of them with one rank).
+        q, kv = cfg.num_heads * cfg.head_dim // tp.size, cfg.num_kv_heads * cfg.head_dim // tp.size
+        inter = cfg.intermediate_size // tp.size
         fused = {  # HF part -> (our fused module, its first row, its number of rows)
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
             "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
@@ -190,6 +224,7 @@ class LlamaModel(nn.Module):
                     break
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for model_type {cfg.model_type!r}")
+            tensor = shard(tensor, self.shard_spec(hf_name), tp.rank, tp.size)
             target = params[name].data
             if num_rows is not None:
                 target = target[first_row:first_row + num_rows]

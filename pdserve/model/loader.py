@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -29,6 +30,8 @@ import torch
 
 from pdserve.model.layers import RMSNorm
 from pdserve.model.llama import LlamaConfig, LlamaModel
+from pdserve.parallel.group import SINGLE, TPGroup
+from pdserve.parallel.sharding import full_shape, shard
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +93,13 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
-               seed: int = 0) -> tuple[LlamaModel, ModelInfo]:
-    """Build the model on `device` in `dtype` and fill its weights.
+               seed: int = 0, tp: TPGroup = SINGLE) -> tuple[LlamaModel, ModelInfo]:
+    """Build the model on `device` in `dtype` and fill its weights (this rank's slices under tensor
+    parallelism; ModelInfo describes the whole model).
 
     load_format "dummy": random weights of the model's shape, generated on the device from `seed`
-    (same seed, device type and dtype -> bit-identical weights): normal(0, 0.02), norms = 1.
+    (same seed, device type and dtype -> bit-identical weights, whatever the TP size): normal(0, 0.02),
+    norms = 1.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}")
@@ -111,7 +116,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, load_format:
         weight_files = [] if is_dummy else _safetensors_files(Path(path))
         weights = None if is_dummy else _safetensors_weights(weight_files)
     config = LlamaConfig.from_hf(hf_config)
-    model = LlamaModel(config, dtype, device)
+    model = LlamaModel(config, dtype, device, tp)
     if is_dummy:
         _fill_dummy(model, seed, device)
     else:
@@ -127,9 +132,20 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, load_format:
         max_model_len=_max_model_len(hf_config, config),
         eos_token_ids=eos_token_ids,
         identity=hashlib.sha256("\n".join(identity_parts).encode()).hexdigest()[:32],
-        num_params=sum(p.numel() for p in model.parameters()),
+        num_params=sum(math.prod(full_shape(p.shape, model.shard_spec(name), tp.size))
+                       for name, p in model.named_parameters()),
     )
     return model, info
+
+
+def load_model_config(path: str) -> LlamaConfig:
+    """The model's shape without its weights (a GGUF's header, or config.json)."""
+    path = resolve_model_path(path)
+    if path.endswith(".gguf"):
+        hf_config = _gguf_checkpoint(path, need_weights=False)[0]
+    else:
+        hf_config = json.loads((Path(path) / "config.json").read_text())
+    return LlamaConfig.from_hf(hf_config)
 
 
 def load_tokenizer(path: str):
@@ -206,11 +222,16 @@ def _max_model_len(hf_config: dict, config: LlamaConfig) -> int:
 def _fill_dummy(model: LlamaModel, seed: int, device: torch.device) -> None:
     generator = torch.Generator(device=device).manual_seed(seed)
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    for _, param in model.named_parameters():  # a fixed order: the same draws on every instance
+    tp = model.tp
+    for name, param in model.named_parameters():  # a fixed order: the same draws on every instance
         if id(param) in norm_weights:
             param.data.fill_(1.0)
-        else:
+        elif tp.size == 1:
             param.data.normal_(0.0, 0.02, generator=generator)
+        else:  # the whole weight's draws, as one rank would make them, then this rank's slice
+            spec = model.shard_spec(name)
+            full = torch.empty(full_shape(param.shape, spec, tp.size), dtype=param.dtype, device=device)
+            param.data.copy_(shard(full.normal_(0.0, 0.02, generator=generator), spec, tp.rank, tp.size))
 
 
 # --- GGUF ---

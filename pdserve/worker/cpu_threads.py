@@ -21,11 +21,11 @@ def allowed_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def set_num_threads(num_threads: int | None) -> int:
-    """torch's intra-op threads: `num_threads`, or one per allowed core."""
+def set_num_threads(num_threads: int | None, why: str | None = None) -> int:
+    """torch's intra-op threads: `num_threads`, or one per allowed core; `why` names the choice in the log."""
     chosen = num_threads or allowed_cores()
     torch.set_num_threads(chosen)
-    logger.info("CPU threads: %d (%s; %d cores allowed)", chosen, "--num-threads" if num_threads else "one per core",
-                allowed_cores())
+    logger.info("CPU threads: %d (%s; %d cores allowed)", chosen,
+                why or ("--num-threads" if num_threads else "one per core"), allowed_cores())
     return chosen
 

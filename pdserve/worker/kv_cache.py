@@ -3,7 +3,9 @@
 One tensor for the whole model, block-major (see model/attention.py):
     kv_cache = torch.empty(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
 so a request's run of consecutive blocks is one contiguous byte range: the KV handoff moves it as
-one descriptor instead of one per layer per block.
+one descriptor instead of one per layer per block. Under tensor parallelism each rank's cache holds its
+own KV heads (num_kv_heads / T) and every rank has the same number of blocks: the scheduler's block ids
+mean the same slots on all of them.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 from pdserve.config import CacheConfig
 from pdserve.model.loader import ModelInfo
+from pdserve.parallel.group import SINGLE, TPGroup
 
 # On CPU without kv_cache_memory: 2 GiB, or an eighth of the memory available at start where that is less.
 # 1 GiB was too little for the default model's 64 concurrent 384-token sequences (1.13 GB of KV): the
@@ -20,9 +23,10 @@ CPU_KV_CACHE_SHARE_OF_AVAILABLE = 8
 GPU_ACTIVATION_RESERVE_BYTES = 4 << 30  # activations, logits and CUDA graphs live outside the cache
 
 
-def block_bytes(info: ModelInfo, block_size: int, dtype: torch.dtype) -> int:
+def block_bytes(info: ModelInfo, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """One block's bytes on one rank."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return info.num_layers * 2 * block_size * info.num_kv_heads * info.head_dim * elem
+    return info.num_layers * 2 * block_size * (info.num_kv_heads // tp_size) * info.head_dim * elem
 
 
 def kv_cache_budget(cache: CacheConfig, device: torch.device) -> int:
@@ -60,10 +64,11 @@ def _cuda_share(cache: CacheConfig, device: torch.device) -> tuple[int, int, int
 
 
 def allocate_kv_cache(info: ModelInfo, cache: CacheConfig, dtype: torch.dtype,
-                      device: torch.device, num_blocks: int | None = None) -> torch.Tensor:
-    per_block = block_bytes(info, cache.block_size, dtype)
+                      device: torch.device, num_blocks: int | None = None, tp: TPGroup = SINGLE) -> torch.Tensor:
+    """The cache of this rank (every rank of a TP group calls it: they agree on the number of blocks)."""
+    per_block = block_bytes(info, cache.block_size, dtype, tp.size)
     if num_blocks is None:
-        num_blocks = kv_cache_budget(cache, device) // per_block
+        num_blocks = tp.min_over_ranks(kv_cache_budget(cache, device) // per_block, device)
     if num_blocks < 1:
         if device.type == "cuda" and not cache.kv_cache_memory:
             share, free, total = _cuda_share(cache, device)
@@ -82,5 +87,5 @@ def allocate_kv_cache(info: ModelInfo, cache: CacheConfig, dtype: torch.dtype,
                 f"kv_cache_memory (bytes)")
         raise ValueError(f"kv_cache_memory: too small for one block of {per_block} bytes")
     # [blocks, layers, k/v, slots, heads, dim]
-    return torch.zeros(num_blocks, info.num_layers, 2, cache.block_size, info.num_kv_heads,
+    return torch.zeros(num_blocks, info.num_layers, 2, cache.block_size, info.num_kv_heads // tp.size,
                        info.head_dim, dtype=dtype, device=device)

@@ -7,6 +7,11 @@ that the engine can launch the next step first (async scheduling, engine/engine_
 pure-decode step replays a captured graph instead (worker/cuda_graphs.py; off with enforce_eager or
 PDSERVE_ENFORCE_EAGER=1). Around the forward pass it drives the connector's worker half; it does so on
 every step, also when nothing is scheduled, so KV transfers advance while all requests wait for them.
+
+Under tensor parallelism every rank runs its own ModelRunner on the same SchedulerOutput (the engine's
+executor, parallel/executor.py, hands it over): the same inputs, the model's collectives in between,
+the same logits on every rank. Rank 0 samples and broadcasts the tokens, so each rank's next step
+fills its placeholders with the tokens rank 0 reports.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from pdserve.model.attention import AttentionMetadata
 from pdserve.model.host_copy import to_device
 from pdserve.model.loader import load_model
 from pdserve.model.sampler import sample, skip_draws
+from pdserve.parallel.group import SINGLE, TPGroup
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.cuda_graphs import DecodeGraphs, graph_buckets
 from pdserve.worker.kv_cache import allocate_kv_cache
@@ -94,12 +100,16 @@ def resolve_device_and_dtype(config: ModelConfig) -> tuple[torch.device, torch.d
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  connector: KVConnectorWorker | None = None, num_blocks: int | None = None,
-                 enforce_eager: bool | None = None, max_num_seqs: int = 256) -> None:
+                 enforce_eager: bool | None = None, max_num_seqs: int = 256, tp: TPGroup = SINGLE,
+                 device: torch.device | None = None) -> None:
         self.device, self.dtype = resolve_device_and_dtype(model_config)
+        if device is not None:   # a TP rank's own GPU
+            self.device = device
         self.block_size = cache_config.block_size
+        self.tp = tp
         self.model, self.info = load_model(model_config.model, self.dtype, self.device,
-                                           model_config.load_format, model_config.seed)
-        self.kv_cache = allocate_kv_cache(self.info, cache_config, self.dtype, self.device, num_blocks)
+                                           model_config.load_format, model_config.seed, tp)
+        self.kv_cache = allocate_kv_cache(self.info, cache_config, self.dtype, self.device, num_blocks, tp)
         self.num_blocks = self.kv_cache.shape[0]
         self.connector = connector
         if connector is not None:
@@ -257,11 +267,23 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[to_device(logits_rows, torch.long, self.device)])
         if not sample_items:
             return StepHandle.launched([], None, self.device)
-        sp = [item.sampling_params for item in sample_items]
-        # Host lists let the sampler skip work it can see is not needed (an all-greedy batch is one argmax).
-        tokens = sample(logits, [p.temperature for p in sp], [p.top_p for p in sp],
-                        [p.top_k for p in sp], [self._generator(item, logits.shape[-1]) for item in sample_items])
+        tokens = self._sample(logits, sample_items)
         return StepHandle.launched([item.request_id for item in sample_items], tokens, self.device)
+
+    def _sample(self, logits: torch.Tensor, sample_items: list[ScheduledRequest]) -> torch.Tensor:
+        if not self.tp.is_driver:
+            return self.tp.broadcast_from_driver(
+                torch.empty(len(sample_items), dtype=torch.long, device=self.device))
+        sp = [item.sampling_params for item in sample_items]
+        try:
+            # Host lists let the sampler skip work it can see is not needed (an all-greedy batch is one argmax).
+            tokens = sample(logits, [p.temperature for p in sp], [p.top_p for p in sp],
+                            [p.top_k for p in sp], [self._generator(item, logits.shape[-1]) for item in sample_items])
+        except Exception:
+            # The other ranks wait in the broadcast: release them, then fail this step's requests here.
+            self.tp.broadcast_from_driver(torch.full((len(sample_items),), -1, dtype=torch.long, device=self.device))
+            raise
+        return self.tp.broadcast_from_driver(tokens)
 
     def _generator(self, item, vocab_size: int) -> torch.Generator | None:
         seed = item.sampling_params.seed

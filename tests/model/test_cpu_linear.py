@@ -113,6 +113,10 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(name):
         pytest.skip("MKL's packed GEMM is used on Intel only")
     if name == "pdserve" and not cpu_kernels.available():
         pytest.skip("no C compiler here")
+    if name == "onednn" and layers.packer() != "onednn":
+        # On an AVX-512/AMX Xeon (2026-12-04) oneDNN picks kernels by the batch and a row's last bits
+        # move with it; there MKL serves (or ours), and oneDNN only when forced (PDSERVE_CPU_GEMM).
+        pytest.skip(f"oneDNN's packed GEMM is not the one this CPU uses ({layers.packer()} is)")
     pack, run = layers.PACKERS[name]
     gen = torch.Generator().manual_seed(1)
     for out_features, in_features in [(3072, 576), (576, 1536), (960, 576)]:

@@ -1,0 +1,312 @@
+"""A tensor-parallel instance: rank 0's ModelRunner in the engine process, ranks 1..T-1 in their own.
+
+The lifecycle, from rank 0's side (TPExecutor):
+1. Open a TCPStore on 127.0.0.1 (the OS picks the port) and start one process per other rank
+   (`python -m pdserve.worker.tp_executor FD PARENT_PID`), each with a socket to rank 0. A rank arms
+   PR_SET_PDEATHSIG first thing, so it never outlives the engine process, even a SIGKILLed one.
+2. Send each rank its (config, rank, size, store port, cores). Every rank joins the process group
+   (gloo on CPU, NCCL on CUDA), loads its slices of the weights and allocates its KV cache (the ranks
+   agree on the number of blocks), then reports "ready", or "failed" with the reason; rank 0 waits
+   for all of them with a deadline.
+3. Each step: send the SchedulerOutput to every rank, then run it here. All ranks build the same
+   inputs and meet in the model's collectives; rank 0 samples and broadcasts the tokens. The other
+   ranks answer nothing (no round trip per step).
+4. A rank that dies or hangs: rank 0's next collective fails (at once for a closed socket, after
+   COLLECTIVE_TIMEOUT_S for a hung rank) and the step raises RankLost. The engine is then broken
+   and its process ends; whoever supervises the instance (`pdserve up`) starts it again.
+5. shutdown(): "shutdown" to every rank, a bounded wait for each to exit, then SIGKILL.
+
+The scheduler, the KV cache manager and the engine loop are those of one rank: they see this object
+through the ModelRunner methods they call (launch, collect, execute_model, warm_up).
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from pdserve.config import EngineConfig
+from pdserve.model.loader import load_model_config
+from pdserve.parallel.group import COLLECTIVE_TIMEOUT_S, TPGroup, destroy_tp_group
+from pdserve.parallel.sharding import check_tp_size
+from pdserve.worker.cpu_threads import set_num_threads
+from pdserve.worker.model_runner import ModelRunner, StepHandle, resolve_device_and_dtype
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0     # every rank loaded and ready (weights from disk, a KV cache to touch)
+RENDEZVOUS_TIMEOUT_S = 120.0
+SHUTDOWN_TIMEOUT_S = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+class RankLost(RuntimeError):
+    """A rank of the group died or stopped answering: the instance cannot step any more."""
+
+
+def split_cores(cores: list[int], size: int) -> list[list[int]]:
+    """Each rank's cores: disjoint contiguous shares when there are enough, else all of them for each
+    (shared: see rank_threads)."""
+    if len(cores) < size:
+        return [list(cores) for _ in range(size)]
+    share, extra = divmod(len(cores), size)
+    out, start = [], 0
+    for rank in range(size):
+        end = start + share + (rank < extra)
+        out.append(cores[start:end])
+        start = end
+    return out
+
+
+def rank_threads(config: EngineConfig, cores: list[int], is_shared: bool) -> int:
+    """--num-threads wins; else one thread per core of the rank's own share, or, where the ranks share
+    their cores (fewer cores than ranks), one each: OpenMP threads that outnumber the cores wait on
+    descheduled peers."""
+    if config.num_threads:
+        return config.num_threads
+    return 1 if is_shared else len(cores)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    device, _ = resolve_device_and_dtype(config.model)
+    if device.type != "cuda":
+        return device
+    size = config.parallel.tensor_parallel_size
+    if torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size: {size} needs {size} visible GPUs (one per rank), "
+                         f"found {torch.cuda.device_count()}")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
+def _join_group(rank: int, size: int, store: dist.Store, device: torch.device) -> TPGroup:
+    if device.type == "cpu":
+        # Every rank is on this host: gloo's sockets on loopback, whatever the hostname resolves to.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return TPGroup(rank, size)
+
+
+class TPExecutor:
+    """Rank 0 of a tensor-parallel group, with the ModelRunner interface the engine uses."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None) -> None:
+        size = config.parallel.tensor_parallel_size
+        shape = load_model_config(config.model.model)   # refuse a size the model cannot take before any rank starts
+        check_tp_size(size, shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
+        self.size, self.lost = size, None
+        all_cores = sorted(os.sched_getaffinity(0))
+        cores, is_shared = split_cores(all_cores, size), len(all_cores) < size
+        self.workers: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+                              wait_for_workers=False)
+        try:
+            for rank in range(1, size):
+                self._start_rank(rank, (config, rank, size, store.port, cores[rank], is_shared, num_blocks))
+            os.sched_setaffinity(0, cores[0])
+            set_num_threads(rank_threads(config, cores[0], is_shared), "tensor parallel rank 0")
+            device = rank_device(config, 0)
+            self.group = _join_group(0, size, store, device)
+            self.runner = ModelRunner(config.model, config.cache, None, num_blocks,
+                                      max_num_seqs=config.scheduler.max_num_seqs, tp=self.group, device=device)
+            self._wait_ready()
+        except BaseException as error:
+            # A ValueError is the config's (every rank meets it alike): it says best what is wrong.
+            reason = None if isinstance(error, ValueError) else self._reason_of_a_failed_rank()
+            self.shutdown()
+            if reason is not None:
+                raise RuntimeError(f"tensor parallel start-up failed: {reason}") from error
+            raise
+        self._store = store   # the group keeps using it; it dies with this process
+        logger.info("tensor parallel: %d ranks (pids %s), %d KV blocks each", size,
+                    [os.getpid(), *(p.pid for p in self.workers)], self.runner.num_blocks)
+
+    def _start_rank(self, rank: int, init: tuple) -> None:
+        ours, theirs = socket.socketpair()
+        with theirs:
+            proc = subprocess.Popen([sys.executable, "-m", "pdserve.worker.tp_executor", str(theirs.fileno()),
+                                     str(os.getpid())], pass_fds=(theirs.fileno(),), close_fds=True)
+        conn = Connection(ours.detach())
+        self.workers.append(proc)
+        self.conns.append(conn)
+        conn.send(init)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, conn in enumerate(self.conns, start=1):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"tensor parallel rank {rank} was not ready after {START_TIMEOUT_S:.0f} s")
+            kind, detail = conn.recv()
+            if kind != "ready":
+                raise RuntimeError(f"tensor parallel rank {rank} failed to start: {detail}")
+
+    def _reason_of_a_failed_rank(self) -> str | None:
+        """What a rank reported before it exited, or how it exited."""
+        for rank, (proc, conn) in enumerate(zip(self.workers, self.conns), start=1):
+            try:
+                while conn.poll(0):
+                    kind, detail = conn.recv()
+                    if kind == "failed":
+                        return f"rank {rank}: {detail}"
+            except (EOFError, OSError):
+                pass
+            if proc.poll() is not None:
+                return f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+        return None
+
+    # -- the ModelRunner interface ------------------------------------------------------------
+    @property
+    def info(self):
+        return self.runner.info
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def connector(self):
+        return self.runner.connector
+
+    def warm_up(self, max_num_batched_tokens: int) -> None:
+        self._send(("warm_up", max_num_batched_tokens))
+        self._guarded(self.runner.warm_up, max_num_batched_tokens)
+
+    def execute_model(self, out):
+        self._send(("step", out))
+        return self._guarded(self.runner.execute_model, out)
+
+    def launch(self, out) -> StepHandle:
+        self._send(("step", out))
+        return self._guarded(self.runner.launch, out)
+
+    def collect(self, handle: StepHandle):
+        return self._guarded(self.runner.collect, handle)
+
+    def _send(self, message: tuple) -> None:
+        if self.lost is not None:
+            raise RankLost(self.lost)
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once for every rank
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                self.lost = self._reason_of_a_failed_rank() or f"rank {rank} closed its connection"
+                raise RankLost(self.lost) from None
+
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as error:
+            # A collective that failed (a rank gone or hung) leaves the ranks out of step for good; a
+            # failure every rank met alike (the same inputs) leaves them in step, and fails its requests only.
+            reason = self._reason_of_a_failed_rank()
+            if reason is None and isinstance(error, dist.DistError):
+                reason = f"a collective failed ({type(error).__name__}: {error})"
+            if reason is not None:
+                self.lost = reason
+                raise RankLost(reason) from error
+            raise
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send_bytes(pickle.dumps(("shutdown",)))
+            except OSError:
+                pass
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self.conns:
+            conn.close()
+        self.workers, self.conns = [], []
+        destroy_tp_group()
+
+
+# -- ranks 1..T-1 -------------------------------------------------------------------------------
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the engine process ends (however it ends)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:   # it ended before the line above
+        os._exit(1)
+
+
+def _serve_rank(conn: Connection) -> None:
+    config, rank, size, store_port, cores, is_shared, num_blocks = conn.recv()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
+    try:
+        os.sched_setaffinity(0, cores)
+        set_num_threads(rank_threads(config, cores, is_shared), f"tensor parallel rank {rank}")
+        device = rank_device(config, rank)
+        store = dist.TCPStore("127.0.0.1", store_port, size, False,
+                              timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        group = _join_group(rank, size, store, device)
+        runner = ModelRunner(config.model, config.cache, None, num_blocks,
+                             max_num_seqs=config.scheduler.max_num_seqs, tp=group, device=device)
+    except Exception as error:
+        logger.exception("start-up failed")
+        conn.send(("failed", f"{type(error).__name__}: {error}"))
+        return
+    conn.send(("ready", runner.num_blocks))
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return   # rank 0 is gone
+        kind = message[0]
+        if kind == "shutdown":
+            return
+        try:
+            if kind == "step":
+                runner.execute_model(message[1])
+            elif kind == "warm_up":
+                runner.warm_up(message[1])
+        except Exception:
+            # The same inputs fail rank 0's step too, which fails its requests; a failure of this rank
+            # alone shows there as a collective that fails.
+            logger.exception("%s failed", kind)
+
+
+def main() -> None:
+    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    _die_with_parent(parent_pid)
+    conn = Connection(fd)
+    try:
+        _serve_rank(conn)
+    finally:
+        destroy_tp_group()
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()

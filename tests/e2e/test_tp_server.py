@@ -1,0 +1,60 @@
+"""`pdserve serve --tensor-parallel-size 3` on the default model: the same tokens as one rank, over HTTP;
+a rank killed ends the instance cleanly (an error for the request, /health 503); no rank outlives it."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pdserve.sampling_params import SamplingParams
+from tests.e2e.cluster import serve, wait_until
+from tests.parallel.test_tensor_parallel import alive, assert_same_or_near_tie
+
+
+@pytest.fixture(scope="module")
+def tp_server():
+    proc = serve("tp3", "--tensor-parallel-size", "3")
+    try:
+        yield proc.wait_healthy()
+    finally:
+        proc.stop()
+
+
+def health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def test_three_ranks_answer_with_one_ranks_tokens(tp_server, default_llm, hf_default_model):
+    prompt = "Write a short story about a lighthouse keeper."
+    want, = default_llm.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    status, body = tp_server.post("/v1/completions", {"model": "default", "prompt": prompt, "max_tokens": 48,
+                                                      "temperature": 0, "ignore_eos": True,
+                                                      "return_token_ids": True})
+    assert status == 200
+    assert_same_or_near_tie(want.token_ids, body["choices"][0]["token_ids"], want.prompt_token_ids,
+                            hf_default_model)
+
+
+def test_a_killed_rank_ends_the_instance_with_clean_errors(tp_server):
+    pids = tp_server.pids()
+    ranks = [p for p in pids if "pdserve.worker.tp_executor" in open(f"/proc/{p}/cmdline").read()]
+    assert len(ranks) == 2
+    os.kill(ranks[0], signal.SIGKILL)
+    status, body = tp_server.post("/v1/completions", {"model": "default", "prompt": "Hello", "max_tokens": 8})
+    assert status >= 500 and "error" in body
+    assert wait_until(lambda: health(tp_server.url) != 200, timeout=30)
+    tp_server.stop()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
