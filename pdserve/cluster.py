@@ -42,14 +42,50 @@ def threads_per_instance(num_instances: int, cores: Sequence[int] | None = None)
     return max(1, num_cores // max(1, num_instances))
 
 
-def split_cores(num_instances: int, cores: Sequence[int] | None = None) -> list[list[int] | None]:
-    """Equal, disjoint sets of `cores` (default: the cores this process may run on), one per
-    instance; None for every instance when there are fewer cores than instances."""
+def split_cores(num_instances: int, cores: Sequence[int] | None = None,
+                weights: Sequence[int] | None = None) -> list[list[int] | None]:
+    """Disjoint sets of `cores` (default: the cores this process may run on), one per instance, in
+    proportion to `weights` (default equal; a tensor-parallel instance weighs its number of ranks);
+    None for every instance when there are fewer cores than the weights add up to."""
     cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
-    if len(cores) < num_instances:
-        return [None] * num_instances  # more instances than cores: let the OS share them
-    per = len(cores) // num_instances
-    return [cores[i * per:(i + 1) * per] for i in range(num_instances)]
+    weights = list(weights) if weights is not None else [1] * num_instances
+    if len(cores) < sum(weights):
+        return [None] * num_instances  # more ranks than cores: let the OS share them
+    per = len(cores) // sum(weights)
+    out, start = [], 0
+    for weight in weights:
+        out.append(cores[start:start + per * weight])
+        start += per * weight
+    return out
+
+
+def tensor_parallel_size(args: Sequence[str]) -> int:
+    """The --tensor-parallel-size (or -tp) in an instance's `serve` flags, the last one winning; 1 without."""
+    size = 1
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in ("--tensor-parallel-size", "-tp"):
+            text = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                size = int(text)
+            except ValueError:
+                raise ValueError(f"{flag}: expected an integer, got {text!r}") from None
+    return size
+
+
+def place_on_gpus(tp_sizes: Sequence[int], gpus: Sequence[int]) -> list[list[int]]:
+    """Each instance's GPUs: as many consecutive ones of `gpus` as it has ranks, taken in turn, wrapping
+    round (instances then share GPUs) when they need more than there are."""
+    out, start = [], 0
+    for size in tp_sizes:
+        if gpus:
+            if start + size > len(gpus):
+                start = 0
+            out.append(list(gpus[start:start + size]))
+            start = (start + size) % len(gpus)
+        else:
+            out.append([])
+    return out
 
 
 def num_gpus() -> int:
@@ -121,7 +157,8 @@ RESTART_WINDOW_S = 600.0
 def instance_command(role: str, index: int, port: int, *, model: str, host: str, serve_args: Sequence[str],
                      role_args: Sequence[str], kv_connector: str, kv_transfer_config: str | None,
                      cores: Sequence[int] | None, num_threads: int | None = None,
-                     gpu_memory_utilization: float | None = None, kv_store: str | None = None) -> list[str]:
+                     gpu_memory_utilization: float | None = None, kv_store: str | None = None,
+                     tp_size: int = 1) -> list[str]:
     """`pdserve serve` for one instance: the shared flags, then the role's own (later flags win, so
     --prefill-args / --decode-args override what every instance gets). role: producer, consumer or
     colocated (no KV handoff: it prefills and decodes its requests itself; with the store connector it
@@ -134,8 +171,9 @@ def instance_command(role: str, index: int, port: int, *, model: str, host: str,
         if kv_transfer_config:
             cmd += ["--kv-transfer-config", kv_transfer_config]
     cmd += ["--engine-id", f"{ROLE_NAMES[role]}-{index}", *serve_args]
+    # --num-threads (and num_threads here) is per tensor-parallel rank: each rank gets its share of the cores.
     if cores:
-        cmd += ["--cpu-cores", ",".join(map(str, cores)), "--num-threads", str(len(cores))]
+        cmd += ["--cpu-cores", ",".join(map(str, cores)), "--num-threads", str(max(1, len(cores) // tp_size))]
     elif num_threads:
         cmd += ["--num-threads", str(num_threads)]
     if gpu_memory_utilization is not None:
@@ -226,12 +264,26 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
         return 2
     instances = ([("producer", i) for i in range(num_prefill)] + [("consumer", i) for i in range(num_decode)]
                  + [("colocated", i) for i in range(num_colocated)])
-    use_cuda = device == "cuda" or (device == "auto" and (gpus is not None or num_gpus() > 0))
-    cores = [None] * len(instances) if use_cuda else split_cores(len(instances))
-    # More instances than cores: the OS shares the cores, and each engine gets its share of threads.
-    threads = None if use_cuda or cores[0] is not None else threads_per_instance(len(instances))
-    cuda_devices = (list(gpus) if gpus is not None else list(range(num_gpus()))) if use_cuda else []
     role_args = {"producer": prefill_args, "consumer": decode_args, "colocated": colocated_args}
+    try:
+        tp_sizes = [tensor_parallel_size([*serve_args, *role_args[role]]) for role, _ in instances]
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    if any(t > 1 for (role, _), t in zip(instances, tp_sizes) if role != "colocated" or kv_connector == "store"):
+        print("pdserve up: --tensor-parallel-size > 1 is for colocated instances only for now (the P/D handoff "
+              "between tensor-parallel instances is not built): give it in --colocated-args", file=sys.stderr)
+        return 2
+    use_cuda = device == "cuda" or (device == "auto" and (gpus is not None or num_gpus() > 0))
+    cores = [None] * len(instances) if use_cuda else split_cores(len(instances), weights=tp_sizes)
+    # More ranks than cores: the OS shares the cores, and each engine gets its share of threads.
+    threads = None if use_cuda or cores[0] is not None else threads_per_instance(sum(tp_sizes))
+    cuda_devices = (list(gpus) if gpus is not None else list(range(num_gpus()))) if use_cuda else []
+    if cuda_devices and max(tp_sizes) > len(cuda_devices):
+        print(f"pdserve up: an instance with --tensor-parallel-size {max(tp_sizes)} needs as many GPUs, "
+              f"{len(cuda_devices)} listed", file=sys.stderr)
+        return 2
+    gpu_sets = place_on_gpus(tp_sizes, cuda_devices)
     children = ChildProcesses()
 
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -257,15 +309,15 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
             inst_port = port + 1 + n
             env = dict(instance_env)
             fraction = None
-            if cuda_devices:   # one GPU each, round-robin when there are more instances than GPUs
-                env["CUDA_VISIBLE_DEVICES"] = str(cuda_devices[n % len(cuda_devices)])
-                sharing = len(range(n % len(cuda_devices), len(instances), len(cuda_devices)))
+            if cuda_devices:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_sets[n]))
+                sharing = max(sum(g in other for other in gpu_sets) for g in gpu_sets[n])
                 if sharing > 1:   # each its part of the default fraction; a role's own flag (later) wins
                     fraction = GPU_MEMORY_FRACTION / sharing
             cmd = instance_command(role, i, inst_port, model=model, host=host, serve_args=serve_args,
                                    role_args=role_args[role], kv_connector=kv_connector,
                                    kv_transfer_config=kv_transfer_config, cores=cores[n], num_threads=threads,
-                                   gpu_memory_utilization=fraction, kv_store=kv_store)
+                                   gpu_memory_utilization=fraction, kv_store=kv_store, tp_size=tp_sizes[n])
             name = f"{ROLE_NAMES[role]}-{i}"
             proc = children.start(cmd, name=name, env=env)
             commands[proc.pid] = (name, cmd, env)

@@ -29,11 +29,12 @@ def block_bytes(info: ModelInfo, block_size: int, dtype: torch.dtype, tp_size: i
     return info.num_layers * 2 * block_size * (info.num_kv_heads // tp_size) * info.head_dim * elem
 
 
-def kv_cache_budget(cache: CacheConfig, device: torch.device) -> int:
-    """Bytes for the KV cache: kv_cache_memory when given (CPU or CUDA); on CUDA otherwise this
+def kv_cache_budget(cache: CacheConfig, device: torch.device, tp_size: int = 1) -> int:
+    """Bytes for one rank's KV cache: kv_cache_memory when given (CPU or CUDA); on CUDA otherwise this
     instance's share of the GPU (gpu_memory_utilization of its memory, less what this process already
     holds: the weights) and never more than is free now, so instances sharing a GPU each take their
-    own fraction instead of the first one's leftovers."""
+    own fraction instead of the first one's leftovers. The CPU default is the instance's, divided among
+    its tensor-parallel ranks (they share the host's memory): the same tokens as with one rank."""
     if cache.kv_cache_memory:
         return cache.kv_cache_memory
     if device.type == "cuda":
@@ -41,8 +42,8 @@ def kv_cache_budget(cache: CacheConfig, device: torch.device) -> int:
         return min(share, free) - GPU_ACTIVATION_RESERVE_BYTES
     available = _available_memory_bytes()
     if available is None:
-        return DEFAULT_CPU_KV_CACHE_BYTES
-    return min(DEFAULT_CPU_KV_CACHE_BYTES, available // CPU_KV_CACHE_SHARE_OF_AVAILABLE)
+        return DEFAULT_CPU_KV_CACHE_BYTES // tp_size
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, available // CPU_KV_CACHE_SHARE_OF_AVAILABLE) // tp_size
 
 
 def _available_memory_bytes() -> int | None:
@@ -68,7 +69,7 @@ def allocate_kv_cache(info: ModelInfo, cache: CacheConfig, dtype: torch.dtype,
     """The cache of this rank (every rank of a TP group calls it: they agree on the number of blocks)."""
     per_block = block_bytes(info, cache.block_size, dtype, tp.size)
     if num_blocks is None:
-        num_blocks = tp.min_over_ranks(kv_cache_budget(cache, device) // per_block, device)
+        num_blocks = tp.min_over_ranks(kv_cache_budget(cache, device, tp.size) // per_block, device)
     if num_blocks < 1:
         if device.type == "cuda" and not cache.kv_cache_memory:
             share, free, total = _cuda_share(cache, device)

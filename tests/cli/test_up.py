@@ -228,3 +228,39 @@ def test_up_with_the_store_starts_it_and_points_every_instance_at_it(monkeypatch
         args = cli.build_parser().parse_args(cmd[3:])
         assert args.kv_connector == "store" and args.kv_store == address
     assert [cli.build_parser().parse_args(c[3:]).kv_role for c, _ in started[1:]] == ["producer", "consumer", "both"]
+
+
+def test_a_tensor_parallel_instance_gets_consecutive_gpus_and_a_core_share_per_rank(monkeypatch):
+    from pdserve import cluster
+    assert cluster.tensor_parallel_size(["--tensor-parallel-size", "2", "-tp=4"]) == 4
+    assert cluster.tensor_parallel_size(["--max-num-seqs", "8"]) == 1
+    assert cluster.place_on_gpus([2, 1, 1, 2], [0, 1, 2, 3]) == [[0, 1], [2], [3], [0, 1]]
+    assert cluster.split_cores(2, list(range(6)), weights=[2, 1]) == [[0, 1, 2, 3], [4, 5]]
+    assert cluster.split_cores(2, [0, 1], weights=[2, 1]) == [None, None]
+    started = fake_children(monkeypatch)
+    assert cluster.run_cluster(model="default", num_prefill=0, num_decode=0, num_colocated=2, host="127.0.0.1",
+                               port=9000, serve_args=[], kv_transfer_config=None, device="cuda", gpus=[4, 5, 6],
+                               colocated_args=["--tensor-parallel-size", "2"]) == 1
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in started] == ["4,5", "4,5"]
+    started.clear()
+    monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: set(range(6)))
+    assert cluster.run_cluster(model="default", num_prefill=0, num_decode=0, num_colocated=2, host="127.0.0.1",
+                               port=9000, serve_args=["-tp", "3"], kv_transfer_config=None, device="cpu") == 1
+    parsed = [cli.build_parser().parse_args(cmd[3:]) for cmd, _ in started]
+    assert [(a.cpu_cores, a.num_threads, a.tensor_parallel_size) for a in parsed] == [("0,1,2", 1, 3),
+                                                                                       ("3,4,5", 1, 3)]
+
+
+def test_up_refuses_tensor_parallel_prefill_or_decode_instances(capsys):
+    from pdserve import cluster
+    assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
+                               serve_args=[], kv_transfer_config=None, device="cpu",
+                               decode_args=["--tensor-parallel-size", "3"]) == 2
+    assert "colocated instances only" in capsys.readouterr().err
+    assert cluster.run_cluster(model="default", num_prefill=0, num_decode=0, num_colocated=1, host="127.0.0.1",
+                               port=9000, serve_args=["-tp", "x"], kv_transfer_config=None, device="cpu") == 2
+    assert "expected an integer" in capsys.readouterr().err
+    assert cluster.run_cluster(model="default", num_prefill=0, num_decode=0, num_colocated=1, host="127.0.0.1",
+                               port=9000, serve_args=["-tp", "4"], kv_transfer_config=None, device="cuda",
+                               gpus=[0, 1]) == 2
+    assert "needs as many GPUs, 2 listed" in capsys.readouterr().err

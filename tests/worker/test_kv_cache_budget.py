@@ -35,6 +35,9 @@ def test_cpu_default_and_explicit_bytes(monkeypatch):
     monkeypatch.setattr(kv_cache, "_available_memory_bytes", lambda: None)      # no /proc/meminfo
     assert kv_cache_budget(CacheConfig(), torch.device("cpu")) == 2 * GIB
     assert kv_cache_budget(CacheConfig(kv_cache_memory=123 << 20), torch.device("cpu")) == 123 << 20
+    # tensor parallel ranks divide the CPU default (one host's memory), and each takes an explicit size whole
+    assert kv_cache_budget(CacheConfig(), torch.device("cpu"), tp_size=4) == GIB // 2
+    assert kv_cache_budget(CacheConfig(kv_cache_memory=123 << 20), torch.device("cpu"), tp_size=4) == 123 << 20
 
 
 def test_instances_sharing_a_gpu_each_get_their_fraction(gpu):
