@@ -9,7 +9,7 @@ PDSERVE_ENFORCE_EAGER=1). Around the forward pass it drives the connector's work
 every step, also when nothing is scheduled, so KV transfers advance while all requests wait for them.
 
 Under tensor parallelism every rank runs its own ModelRunner on the same SchedulerOutput (the engine's
-executor, parallel/executor.py, hands it over): the same inputs, the model's collectives in between,
+executor, worker/tp_executor.py, hands it over): the same inputs, the model's collectives in between,
 the same logits on every rank. Rank 0 samples and broadcasts the tokens, so each rank's next step
 fills its placeholders with the tokens rank 0 reports.
 """
