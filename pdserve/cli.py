@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more `pdserve serve` flags for the decode instances only, e.g. "
                          "--decode-args='--max-num-seqs 512'")
     up.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per instance (on CUDA instead of the memory fraction)")
+    up.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                    help="ranks of every instance (each on as many consecutive GPUs, or its share of the cores); "
+                         "a pool's own flag wins, e.g. --colocated-args='-tp 2'; P and D must be of one size")
     up.add_argument("--num-colocated", type=int, default=0,
                     help="colocated instances (no KV handoff: each prefills and decodes its requests); alone "
                          "(--num-prefill 0 --num-decode 0) a plain load-balanced cluster, beside P and D a "
@@ -298,7 +301,8 @@ def up_main(args: argparse.Namespace) -> int:
                         ("--served-model-name", args.served_model_name),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens),
                         ("--max-num-seqs", args.max_num_seqs),
-                        ("--kv-cache-memory", args.kv_cache_memory)):
+                        ("--kv-cache-memory", args.kv_cache_memory),
+                        ("--tensor-parallel-size", args.tensor_parallel_size)):
         if value is not None:
             serve_args += [flag, str(value)]
     role_args = {}

@@ -29,7 +29,7 @@ import time
 import urllib.request
 from typing import IO, Mapping, Sequence
 
-from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV
+from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV, TP_KV_CONNECTORS
 
 HEALTH_TIMEOUT_S = 600
 GPU_MEMORY_FRACTION = 0.9   # of one GPU, for the instances `up` puts on it together (serve's default alone)
@@ -270,9 +270,15 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
-    if any(t > 1 for (role, _), t in zip(instances, tp_sizes) if role != "colocated" or kv_connector == "store"):
-        print("pdserve up: --tensor-parallel-size > 1 is for colocated instances only for now (the P/D handoff "
-              "between tensor-parallel instances is not built): give it in --colocated-args", file=sys.stderr)
+    handing_over = [t for (role, _), t in zip(instances, tp_sizes) if role != "colocated" or kv_connector == "store"]
+    if kv_connector not in TP_KV_CONNECTORS and any(t > 1 for t in handing_over):
+        print(f"pdserve up: --tensor-parallel-size > 1 with --kv-connector {kv_connector} is for colocated "
+              f"instances only for now ({', '.join(TP_KV_CONNECTORS)} hands over a tensor-parallel instance's KV)",
+              file=sys.stderr)
+        return 2
+    if len(set(handing_over)) > 1:
+        print(f"pdserve up: prefill and decode instances of different --tensor-parallel-size "
+              f"({sorted(set(handing_over))}) cannot hand over KV yet: give them the same size", file=sys.stderr)
         return 2
     use_cuda = device == "cuda" or (device == "auto" and (gpus is not None or num_gpus() > 0))
     cores = [None] * len(instances) if use_cuda else split_cores(len(instances), weights=tp_sizes)

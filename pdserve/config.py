@@ -81,6 +81,8 @@ KV_ROLES = ("producer", "consumer", "both")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 # Connectors whose requests the router sends to P and D at once (kv_transfer/push.py); the rest pull.
 PUSH_KV_CONNECTORS = ("nixl-push",)
+# Connectors that move a tensor-parallel instance's KV (every rank's heads): kv_transfer/nixl_tp.py.
+TP_KV_CONNECTORS = ("nixl",)
 
 
 def parse_host_port(text: str, name: str) -> tuple[str, int]:
@@ -174,10 +176,11 @@ class EngineConfig:
         self.scheduler.validate()
         self.kv_transfer.validate()
         self.parallel.validate()
-        if self.parallel.tensor_parallel_size > 1 and self.kv_transfer.kv_connector is not None:
+        connector = self.kv_transfer.kv_connector
+        if self.parallel.tensor_parallel_size > 1 and connector is not None and connector not in TP_KV_CONNECTORS:
             raise ValueError(f"tensor_parallel_size: {self.parallel.tensor_parallel_size} with kv_connector "
-                             f"{self.kv_transfer.kv_connector!r} is not supported yet (the P/D handoff moves one "
-                             "rank's KV cache); serve a tensor-parallel instance colocated")
+                             f"{connector!r} is not supported yet; {', '.join(TP_KV_CONNECTORS)} hands over a "
+                             f"tensor-parallel instance's KV")
 
 
 # Secrets reach processes through the environment, never argv: argv is readable by every local user (ps).

@@ -94,10 +94,12 @@ class EngineCore:
         compat = {"model": info.identity, "dtype": str(dtype).removeprefix("torch."),
                   "block_size": config.cache.block_size,
                   "kv_layout": "blocks,layers,kv,slots,heads,dim",
-                  "kv_shape": "x".join(map(str, self.runner.kv_cache.shape[1:]))}
+                  "kv_shape": "x".join(map(str, self.runner.kv_cache.shape[1:])),
+                  "tp_size": config.parallel.tensor_parallel_size}
         hash_extra = f"{info.identity}:{dtype}"   # the prefix cache's (and the KV store's) block names
         connector_scheduler, self.connector_worker = create_connector(
-            config.kv_transfer, config.cache.block_size, compat, hash_extra)
+            config.kv_transfer, config.cache.block_size, compat, hash_extra,
+            ranks=self.runner if isinstance(self.runner, TPExecutor) else None)
         if self.connector_worker is not None:
             self.runner.connector = self.connector_worker
             self.connector_worker.register_kv_caches(self.runner.kv_cache)

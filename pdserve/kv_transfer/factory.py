@@ -4,25 +4,34 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pdserve.config import PUSH_KV_CONNECTORS, KVTransferConfig, parse_host_port
+from pdserve.config import PUSH_KV_CONNECTORS, TP_KV_CONNECTORS, KVTransferConfig, parse_host_port
 from pdserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.pull import PullConnectorScheduler
 from pdserve.kv_transfer.push import PushConnectorScheduler
 
 CONNECTORS = ("loopback", "nixl", "cuda_ipc", "nixl-push", "store")
 PUSH_CONNECTORS = PUSH_KV_CONNECTORS
+TP_CONNECTORS = TP_KV_CONNECTORS
 
 
-def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str, Any], hash_extra: str = ""
-                     ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
+def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str, Any], hash_extra: str = "",
+                     ranks: Any = None) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
     """Both halves of the configured connector, or (None, None) when disaggregation is off. hash_extra: the
-    prefix cache's (the store names blocks by the cache's hash)."""
+    prefix cache's (the store names blocks by the cache's hash). ranks: a tensor-parallel instance's other
+    ranks (worker/tp_executor.py), for the connectors that move every rank's KV (nixl)."""
     if config.kv_connector is None:
         return None, None
     engine_id = config.engine_id or f"{config.kv_role}-{uuid.uuid4().hex[:8]}"
-    if config.kv_connector == "loopback":
+    if ranks is not None and config.kv_connector not in TP_CONNECTORS:
+        raise ValueError(f"kv_connector: {config.kv_connector!r} does not serve tensor-parallel instances yet "
+                         f"(one of {TP_CONNECTORS} does)")
+    if ranks is not None:
+        from pdserve.kv_transfer.nixl_tp import TPNixlConnectorWorker
+        worker: KVConnectorWorker = TPNixlConnectorWorker(config, engine_id, compat, ranks)
+        host, port = config.side_channel_host, worker.side_channel_port
+    elif config.kv_connector == "loopback":
         from pdserve.kv_transfer.loopback import LoopbackConnectorWorker
-        worker: KVConnectorWorker = LoopbackConnectorWorker(config, engine_id)
+        worker = LoopbackConnectorWorker(config, engine_id)
         host, port = "loopback", 0
     elif config.kv_connector == "nixl":
         from pdserve.kv_transfer.nixl import NixlConnectorWorker

@@ -82,6 +82,14 @@ def contiguous_run(values: list[int]) -> slice | None:
     return slice(first, first + len(values)) if values == list(range(first, first + len(values))) else None
 
 
+def connector_output(connector: KVConnectorWorker) -> KVConnectorOutput:
+    """The worker half's report after a step (its forward pass done)."""
+    connector.wait_for_save()
+    finished_sending, finished_recving = connector.get_finished()
+    return KVConnectorOutput(finished_sending, finished_recving, connector.get_block_ids_with_load_errors(),
+                             connector.get_recompute_request_ids())
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -191,11 +199,7 @@ class ModelRunner:
         sampled = handle.wait()
         if self.connector is None:
             return ModelRunnerOutput(sampled)
-        self.connector.wait_for_save()
-        finished_sending, finished_recving = self.connector.get_finished()
-        return ModelRunnerOutput(sampled, KVConnectorOutput(
-            finished_sending, finished_recving, self.connector.get_block_ids_with_load_errors(),
-            self.connector.get_recompute_request_ids()))
+        return ModelRunnerOutput(sampled, connector_output(self.connector))
 
     def _run(self, out: SchedulerOutput) -> dict[str, int]:
         return self._launch(out).wait()

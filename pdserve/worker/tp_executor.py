@@ -11,6 +11,10 @@ The lifecycle, from rank 0's side (TPExecutor):
 3. Each step: send the SchedulerOutput to every rank, then run it here. All ranks build the same
    inputs and meet in the model's collectives; rank 0 samples and broadcasts the tokens. The other
    ranks answer nothing (no round trip per step).
+   With a KV connector (P/D), its worker half is rank 0's alone (kv_transfer/nixl_tp.py): it reaches
+   the other ranks' transports through call(), which the executor makes only between steps: the
+   connector's start_load_kv runs before the step is sent, its report after the step is done, so no
+   rank is inside a collective when asked. A call is answered within CALL_TIMEOUT_S or the rank is lost.
 4. A rank that dies or hangs: rank 0's next collective fails (at once for a closed socket, after
    COLLECTIVE_TIMEOUT_S for a hung rank) and the step raises RankLost. The engine is then broken
    and its process ends; whoever supervises the instance (`pdserve up`) starts it again.
@@ -41,13 +45,15 @@ from pdserve.model.loader import load_model_config
 from pdserve.parallel.group import COLLECTIVE_TIMEOUT_S, TPGroup, destroy_tp_group
 from pdserve.parallel.sharding import check_tp_size
 from pdserve.worker.cpu_threads import set_num_threads
-from pdserve.worker.model_runner import ModelRunner, StepHandle, resolve_device_and_dtype
+from pdserve.core.batch import ModelRunnerOutput
+from pdserve.worker.model_runner import ModelRunner, StepHandle, connector_output, resolve_device_and_dtype
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0     # every rank loaded and ready (weights from disk, a KV cache to touch)
 RENDEZVOUS_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 60.0       # a rank's answer to call(): it may first finish the step it is in
 PR_SET_PDEATHSIG = 1
 
 
@@ -107,6 +113,7 @@ class TPExecutor:
         shape = load_model_config(config.model.model)   # refuse a size the model cannot take before any rank starts
         check_tp_size(size, shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
         self.size, self.lost = size, None
+        self._connector = None
         all_cores = sorted(os.sched_getaffinity(0))
         cores, is_shared = split_cores(all_cores, size), len(all_cores) < size
         self.workers: list[subprocess.Popen] = []
@@ -190,30 +197,62 @@ class TPExecutor:
 
     @property
     def connector(self):
-        return self.runner.connector
+        """The KV connector's worker half, run here around the steps (the runners have none)."""
+        return self._connector
+
+    @connector.setter
+    def connector(self, connector) -> None:
+        self._connector = connector
 
     def warm_up(self, max_num_batched_tokens: int) -> None:
         self._send(("warm_up", max_num_batched_tokens))
         self._guarded(self.runner.warm_up, max_num_batched_tokens)
 
-    def execute_model(self, out):
-        self._send(("step", out))
-        return self._guarded(self.runner.execute_model, out)
+    def execute_model(self, out) -> ModelRunnerOutput:
+        return self.collect(self.launch(out))
 
     def launch(self, out) -> StepHandle:
+        if self._connector is not None and out.connector_meta is not None:
+            self._guarded(self._connector.start_load_kv, out.connector_meta)
         self._send(("step", out))
         return self._guarded(self.runner.launch, out)
 
-    def collect(self, handle: StepHandle):
-        return self._guarded(self.runner.collect, handle)
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        output = self._guarded(self.runner.collect, handle)
+        if self._connector is None:
+            return output
+        return ModelRunnerOutput(output.sampled_token_ids, self._guarded(connector_output, self._connector))
 
-    def _send(self, message: tuple) -> None:
-        if self.lost is not None:
-            raise RankLost(self.lost)
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once for every rank
+    def call(self, op: str, per_rank_args: list[tuple] | None = None) -> list:
+        """Run `op` on ranks 1..T-1 (RankCalls), each with its args; their results in rank order. A
+        rank's own failure raises RuntimeError naming it; a rank gone or silent raises RankLost."""
+        self._send(None, [("call", op, args) for args in (per_rank_args or [()] * (self.size - 1))])
+        results, errors = [], []
+        deadline = time.monotonic() + CALL_TIMEOUT_S
         for rank, conn in enumerate(self.conns, start=1):
             try:
-                conn.send_bytes(payload)
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"rank {rank} did not answer {op} within {CALL_TIMEOUT_S:.0f} s")
+                kind, value = conn.recv()
+            except (EOFError, OSError, TimeoutError) as error:
+                self.lost = self._reason_of_a_failed_rank() or str(error)
+                raise RankLost(self.lost) from None
+            if kind == "error":
+                errors.append(f"rank {rank}: {value}")
+            results.append(value)
+        if errors:
+            raise RuntimeError(f"{op} failed on tensor parallel {'; '.join(errors)}")
+        return results
+
+    def _send(self, message: tuple | None, per_rank: list[tuple] | None = None) -> None:
+        """`message` to every rank (pickled once), or per_rank[r - 1] to rank r."""
+        if self.lost is not None:
+            raise RankLost(self.lost)
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL) if per_rank is None else None
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send_bytes(payload if per_rank is None
+                                else pickle.dumps(per_rank[rank - 1], protocol=pickle.HIGHEST_PROTOCOL))
             except OSError:
                 self.lost = self._reason_of_a_failed_rank() or f"rank {rank} closed its connection"
                 raise RankLost(self.lost) from None
@@ -278,23 +317,68 @@ def _serve_rank(conn: Connection) -> None:
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
     conn.send(("ready", runner.num_blocks))
-    while True:
+    calls = RankCalls(runner)
+    try:
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return   # rank 0 is gone
+            kind = message[0]
+            if kind == "shutdown":
+                return
+            if kind == "call":
+                conn.send(calls.run(message[1], message[2]))
+                continue
+            try:
+                if kind == "step":
+                    runner.execute_model(message[1])
+                elif kind == "warm_up":
+                    runner.warm_up(message[1])
+            except Exception:
+                # The same inputs fail rank 0's step too, which fails its requests; a failure of this rank
+                # alone shows there as a collective that fails.
+                logger.exception("%s failed", kind)
+    finally:
+        calls.close()
+
+
+class RankCalls:
+    """What rank 0 may ask of rank 1..T-1 between steps: its part of the KV connector's transport."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.transport = None
+        self.handlers = {"kv_init": self.kv_init, "kv_register": lambda: self.transport.register(runner.kv_cache),
+                         "kv_connect": lambda *a: self.transport.connect(*a),
+                         "kv_post": lambda *a: self.transport.post(*a), "kv_poll": lambda: self.transport.poll(),
+                         "kv_release": lambda *a: self.transport.release(*a),
+                         "kv_disconnect": lambda *a: self.transport.disconnect(*a),
+                         "kv_deregister": lambda: self.transport.deregister()}
+
+    def kv_init(self, agent_name: str, enable_prog_thread: bool) -> None:
+        from pdserve.kv_transfer.nixl_tp import RankNixl
+        self.transport = RankNixl(agent_name, enable_prog_thread)
+
+    def run(self, op: str, args: tuple) -> tuple[str, object]:
+        """("ok", result) or ("error", why): a failure of one call is rank 0's to handle, not this rank's end."""
+        handler = self.handlers.get(op)
+        if handler is None:
+            return "error", f"unknown call {op!r}"
+        if self.transport is None and op != "kv_init":
+            return "error", f"{op}: no transport (kv_init first)"
         try:
-            message = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return   # rank 0 is gone
-        kind = message[0]
-        if kind == "shutdown":
-            return
-        try:
-            if kind == "step":
-                runner.execute_model(message[1])
-            elif kind == "warm_up":
-                runner.warm_up(message[1])
-        except Exception:
-            # The same inputs fail rank 0's step too, which fails its requests; a failure of this rank
-            # alone shows there as a collective that fails.
-            logger.exception("%s failed", kind)
+            return "ok", handler(*args)
+        except Exception as error:
+            logger.warning("%s failed: %s: %s", op, type(error).__name__, error)
+            return "error", f"{type(error).__name__}: {error}"
+
+    def close(self) -> None:
+        if self.transport is not None:
+            try:
+                self.transport.deregister()
+            except Exception:
+                logger.exception("deregistering the KV cache")
 
 
 def main() -> None:

@@ -251,11 +251,22 @@ def test_a_tensor_parallel_instance_gets_consecutive_gpus_and_a_core_share_per_r
                                                                                        ("3,4,5", 1, 3)]
 
 
-def test_up_refuses_tensor_parallel_prefill_or_decode_instances(capsys):
+def test_up_gives_every_instance_its_tensor_parallel_size(monkeypatch):
+    calls = {}
+    monkeypatch.setattr("pdserve.cluster.run_cluster", lambda **kw: calls.update(kw) or 0)
+    assert cli.main(["up", "-tp", "2"]) == 0
+    assert calls["serve_args"][-2:] == ["--tensor-parallel-size", "2"]
+
+
+def test_up_refuses_tensor_parallel_instances_it_cannot_pair(capsys):
     from pdserve import cluster
     assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
                                serve_args=[], kv_transfer_config=None, device="cpu",
                                decode_args=["--tensor-parallel-size", "3"]) == 2
+    assert "different --tensor-parallel-size ([1, 3])" in capsys.readouterr().err
+    assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
+                               serve_args=["-tp", "3"], kv_transfer_config=None, device="cpu",
+                               kv_connector="nixl-push") == 2
     assert "colocated instances only" in capsys.readouterr().err
     assert cluster.run_cluster(model="default", num_prefill=0, num_decode=0, num_colocated=1, host="127.0.0.1",
                                port=9000, serve_args=["-tp", "x"], kv_transfer_config=None, device="cpu") == 2
