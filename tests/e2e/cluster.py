@@ -113,6 +113,16 @@ class Process:
         self.stop()
         return Process(self.args, self.name, self.extra_env, self.log_dir, port=self.port)
 
+    def health(self) -> int:
+        """GET /health's status; 0 when nothing answers."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
             text = r.read().decode()

@@ -96,17 +96,6 @@ def test_a_killed_prefill_rank_breaks_p_and_the_router_serves_on_without_it(clus
     status, body = complete(cluster["proxy"], model, prompt)
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == complete(cluster["colocated"], model, prompt)[1]["choices"][0]["token_ids"]
-    assert wait_until(lambda: prefill.proc.poll() is not None or _health(prefill) != 200, timeout=30)
+    assert wait_until(lambda: prefill.proc.poll() is not None or prefill.health() != 200, timeout=30)
     assert wait_until(lambda: decode.metrics().get("kv_cache_usage_perc") == 0, timeout=15)
 
-
-def _health(proc: Process) -> int:
-    import urllib.error
-    import urllib.request
-    try:
-        with urllib.request.urlopen(f"{proc.url}/health", timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -22,16 +20,6 @@ def tp_server():
         yield proc.wait_healthy()
     finally:
         proc.stop()
-
-
-def health(url: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0
 
 
 def test_three_ranks_answer_with_one_ranks_tokens(tp_server, default_llm, hf_default_model):
@@ -52,7 +40,7 @@ def test_a_killed_rank_ends_the_instance_with_clean_errors(tp_server):
     os.kill(ranks[0], signal.SIGKILL)
     status, body = tp_server.post("/v1/completions", {"model": "default", "prompt": "Hello", "max_tokens": 8})
     assert status >= 500 and "error" in body
-    assert wait_until(lambda: health(tp_server.url) != 200, timeout=30)
+    assert wait_until(lambda: tp_server.health() != 200, timeout=30)
     tp_server.stop()
     deadline = time.monotonic() + 10
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
