@@ -12,6 +12,11 @@ default model, each instance on its own core. Per connector and prompt length: o
 and the handoff's own time per request from the instances' kv_transfer_seconds histograms (D times a pull's
 READ, P a push's WRITE; a store handoff is two transfers, P's WRITE into the pool and D's READ from it, and
 its time is their sum). Outputs are compared token by token between the connectors. Prints and saves JSON.
+
+--tp-pairs P:D,... (issue 17; `nixl` only): the same for P and D of those tensor-parallel sizes, e.g.
+`--connectors nixl --tp-pairs 1:1,3:3,3:1,1:3 --device cpu` (the default model's 3 KV heads) or `1:1,2:2,2:1,1:2`
+on two GPUs (an instance of T ranks takes T consecutive GPUs from its own in --gpus, wrapping round): per
+request also the bytes and NIXL descriptors D's ranks moved.
 """
 from __future__ import annotations
 
@@ -31,14 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.gpu_e2e import child, describe_gpus, one_request  # noqa: E402
 
 
-def transfer_seconds(prefill, decode) -> tuple[float, float]:
-    """(sum, count) of kv_transfer_seconds over P and D (only one side counts a given handoff)."""
-    total = count = 0.0
+def transfer_seconds(prefill, decode) -> tuple[float, float, float, float]:
+    """(sum, count) of kv_transfer_seconds over P and D (only one side counts a given handoff), and the
+    bytes and descriptors they moved."""
+    total = count = num_bytes = descriptors = 0.0
     for inst in (prefill, decode):
         m = inst.metrics()
         total += m.get("kv_transfer_seconds_sum", 0.0)
         count += m.get("kv_transfer_seconds_count", 0.0)
-    return total, count
+        num_bytes += m.get("kv_transfer_bytes_total", 0.0)
+        descriptors += m.get("kv_transfer_descriptors_total", 0.0)
+    return total, count, num_bytes, descriptors
 
 
 async def measure(proxy, prefill, decode, model: str, prompts: dict[int, list[list[int]]]) -> dict:
@@ -59,14 +67,19 @@ async def measure(proxy, prefill, decode, model: str, prompts: dict[int, list[li
             await asyncio.sleep(0.3)  # the instances' stats snapshots (every 100 ms)
             after = transfer_seconds(prefill, decode)
             handoffs = after[1] - before[1]
+            seconds = after[0] - before[0]
             out[str(n)] = {"ttft_ms_p50": 1e3 * statistics.median(ttfts) if ttfts else None,
+                           "bytes_per_handoff": (after[2] - before[2]) / handoffs if handoffs else None,
+                           "descriptors_per_handoff": (after[3] - before[3]) / handoffs if handoffs else None,
+                           "handoff_gb_per_s": (after[2] - before[2]) / seconds / 1e9 if seconds else None,
                            "ttft_ms_min": 1e3 * min(ttfts) if ttfts else None,
                            "ttft_ms": [round(1e3 * t, 2) for t in ttfts],
                            # per request: a store handoff's two transfers add up
                            "handoff_ms_mean": 1e3 * (after[0] - before[0]) / len(group[1:]) if handoffs else None,
                            "num_handoffs": handoffs, "errors": errors[:3], "token_ids": token_ids}
             print(f"  {n:>5} tokens: TTFT p50 {out[str(n)]['ttft_ms_p50']} ms, handoff "
-                  f"{out[str(n)]['handoff_ms_mean']} ms ({handoffs:g} counted), {len(errors)} errors", flush=True)
+                  f"{out[str(n)]['handoff_ms_mean']} ms ({handoffs:g} counted, "
+                  f"{out[str(n)]['descriptors_per_handoff']} descriptors each), {len(errors)} errors", flush=True)
     return out
 
 
@@ -82,6 +95,15 @@ def wait_listening(port: int, timeout: float = 60.0) -> None:
             time.sleep(0.2)
 
 
+def gpu_set(first: str | None, size: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES for an instance of `size` ranks whose first GPU is `first` (wrapping round)."""
+    if first is None or size == 1:
+        return first
+    import torch
+    count = torch.cuda.device_count()
+    return ",".join(str((int(first) + i) % count) for i in range(size))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -91,6 +113,7 @@ def main() -> None:
     p.add_argument("--connectors", default="nixl,nixl-push", help="any of nixl, nixl-push, cuda_ipc, store")
     p.add_argument("--store-capacity", default="4GiB", help="the kv-store's pool (store)")
     p.add_argument("--gpus", default="0,1", help="P's and D's GPU (cuda)")
+    p.add_argument("--tp-pairs", default="1:1", help="P:D tensor-parallel sizes to measure, e.g. 1:1,2:2,2:1,1:2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="/tmp/pdserve-push-vs-pull")
     p.add_argument("--out", required=True)
@@ -113,8 +136,11 @@ def main() -> None:
     result = {"date": datetime.date.today().isoformat(), "args": vars(args), "model": model,
               "machine": describe_gpus() if args.device == "cuda" else f"{platform.processor() or 'cpu'}, CPU",
               "connectors": {}}
-    for connector in args.connectors.split(","):
-        print(f"[push-vs-pull] {connector}", flush=True)
+    configs = [(c, int(tp_p), int(tp_d)) for c in args.connectors.split(",")
+               for tp_p, tp_d in (pair.split(":") for pair in args.tp_pairs.split(","))]
+    for connector, tp_p, tp_d in configs:
+        name = connector if (tp_p, tp_d) == (1, 1) else f"{connector}-tp{tp_p}to{tp_d}"
+        print(f"[push-vs-pull] {name}", flush=True)
         children = []
         try:
             pin = lambda core: ["--cpu-cores", core] if args.device == "cpu" else []  # noqa: E731
@@ -124,8 +150,10 @@ def main() -> None:
                 children.append(store)
                 wait_listening(store.port)
                 kv += ["--kv-store", f"127.0.0.1:{store.port}"]
-            prefill = child(common + pin("0") + kv + ["--kv-role", "producer"], gpu_p, log_dir, f"prefill-{connector}")
-            decode = child(common + pin("1") + kv + ["--kv-role", "consumer"], gpu_d, log_dir, f"decode-{connector}")
+            prefill = child(common + pin("0") + kv + ["--kv-role", "producer", "-tp", str(tp_p)],
+                            gpu_set(gpu_p, tp_p), log_dir, f"prefill-{name}")
+            decode = child(common + pin("1") + kv + ["--kv-role", "consumer", "-tp", str(tp_d)],
+                           gpu_set(gpu_d, tp_d), log_dir, f"decode-{name}")
             children += [prefill, decode]
             prefill.wait_healthy(600), decode.wait_healthy(600)
             deadline = time.monotonic() + 30
@@ -133,10 +161,10 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the instances did not connect to the kv-store within 30 s")
                 time.sleep(0.2)
-            proxy = child(["proxy", "--prefill", prefill.url, "--decode", decode.url], None, log_dir, f"proxy-{connector}")
+            proxy = child(["proxy", "--prefill", prefill.url, "--decode", decode.url], None, log_dir, f"proxy-{name}")
             children.append(proxy)
             proxy.wait_healthy(60)
-            result["connectors"][connector] = asyncio.run(measure(proxy, prefill, decode, model, prompts))
+            result["connectors"][name] = asyncio.run(measure(proxy, prefill, decode, model, prompts))
         finally:
             for c in reversed(children):
                 c.stop()
@@ -146,7 +174,8 @@ def main() -> None:
         result["outputs_identical"] = {
             name: all(first[n]["token_ids"] == result["connectors"][name][n]["token_ids"] for n in first)
             for name in names[1:]}
-    summary = {name: {n: {k: v for k, v in row.items() if k in ("ttft_ms_p50", "handoff_ms_mean", "errors")}
+    summary = {name: {n: {k: v for k, v in row.items() if k in ("ttft_ms_p50", "handoff_ms_mean", "errors",
+                                                                 "descriptors_per_handoff", "handoff_gb_per_s")}
                       for n, row in rows.items()} for name, rows in result["connectors"].items()}
     print(json.dumps({"summary": summary, "outputs_identical": result.get("outputs_identical")}, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

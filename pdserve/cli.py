@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per instance (on CUDA instead of the memory fraction)")
     up.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                     help="ranks of every instance (each on as many consecutive GPUs, or its share of the cores); "
-                         "a pool's own flag wins, e.g. --colocated-args='-tp 2'; P and D must be of one size")
+                         "a pool's own flag wins, e.g. --colocated-args='-tp 2'; of a P and a D size one must divide the other")
     up.add_argument("--num-colocated", type=int, default=0,
                     help="colocated instances (no KV handoff: each prefills and decodes its requests); alone "
                          "(--num-prefill 0 --num-decode 0) a plain load-balanced cluster, beside P and D a "

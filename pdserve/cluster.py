@@ -276,9 +276,10 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
               f"instances only for now ({', '.join(TP_KV_CONNECTORS)} hands over a tensor-parallel instance's KV)",
               file=sys.stderr)
         return 2
-    if len(set(handing_over)) > 1:
-        print(f"pdserve up: prefill and decode instances of different --tensor-parallel-size "
-              f"({sorted(set(handing_over))}) cannot hand over KV yet: give them the same size", file=sys.stderr)
+    if handing_over and any(max(a, b) % min(a, b) for a in handing_over for b in handing_over):
+        print(f"pdserve up: prefill and decode instances of --tensor-parallel-size {sorted(set(handing_over))}: "
+              f"of two sizes one must divide the other (a D rank reads its heads from whole P ranks)",
+              file=sys.stderr)
         return 2
     use_cuda = device == "cuda" or (device == "auto" and (gpus is not None or num_gpus() > 0))
     cores = [None] * len(instances) if use_cuda else split_cores(len(instances), weights=tp_sizes)

@@ -94,12 +94,13 @@ class EngineCore:
         compat = {"model": info.identity, "dtype": str(dtype).removeprefix("torch."),
                   "block_size": config.cache.block_size,
                   "kv_layout": "blocks,layers,kv,slots,heads,dim",
-                  "kv_shape": "x".join(map(str, self.runner.kv_cache.shape[1:])),
-                  "tp_size": config.parallel.tensor_parallel_size}
+                  # the whole model's (a rank holds num_kv_heads / T): P and D of other TP sizes pair
+                  "kv_shape": "x".join(map(str, (*self.runner.kv_cache.shape[1:4], info.num_kv_heads,
+                                                  info.head_dim)))}
         hash_extra = f"{info.identity}:{dtype}"   # the prefix cache's (and the KV store's) block names
         connector_scheduler, self.connector_worker = create_connector(
             config.kv_transfer, config.cache.block_size, compat, hash_extra,
-            ranks=self.runner if isinstance(self.runner, TPExecutor) else None)
+            ranks=self.runner if isinstance(self.runner, TPExecutor) else None, num_kv_heads=info.num_kv_heads)
         if self.connector_worker is not None:
             self.runner.connector = self.connector_worker
             self.connector_worker.register_kv_caches(self.runner.kv_cache)

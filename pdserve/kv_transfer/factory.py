@@ -15,19 +15,22 @@ TP_CONNECTORS = TP_KV_CONNECTORS
 
 
 def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str, Any], hash_extra: str = "",
-                     ranks: Any = None) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
+                     ranks: Any = None, num_kv_heads: int | None = None
+                     ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
     """Both halves of the configured connector, or (None, None) when disaggregation is off. hash_extra: the
     prefix cache's (the store names blocks by the cache's hash). ranks: a tensor-parallel instance's other
-    ranks (worker/tp_executor.py), for the connectors that move every rank's KV (nixl)."""
+    ranks (worker/tp_executor.py), for the connectors that move every rank's KV (nixl); num_kv_heads: the
+    model's, for nixl readers of a P of another size."""
     if config.kv_connector is None:
         return None, None
     engine_id = config.engine_id or f"{config.kv_role}-{uuid.uuid4().hex[:8]}"
     if ranks is not None and config.kv_connector not in TP_CONNECTORS:
         raise ValueError(f"kv_connector: {config.kv_connector!r} does not serve tensor-parallel instances yet "
                          f"(one of {TP_CONNECTORS} does)")
-    if ranks is not None:
+    if config.kv_connector == "nixl" and (ranks is not None or config.is_consumer) and num_kv_heads:
+        # every rank's KV, or a reader that may meet a P of another tensor-parallel size
         from pdserve.kv_transfer.nixl_tp import TPNixlConnectorWorker
-        worker: KVConnectorWorker = TPNixlConnectorWorker(config, engine_id, compat, ranks)
+        worker: KVConnectorWorker = TPNixlConnectorWorker(config, engine_id, compat, ranks, num_kv_heads)
         host, port = config.side_channel_host, worker.side_channel_port
     elif config.kv_connector == "loopback":
         from pdserve.kv_transfer.loopback import LoopbackConnectorWorker

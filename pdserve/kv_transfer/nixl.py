@@ -111,7 +111,8 @@ class NixlTransport:
             handle.release()
 
     def _take_notifs(self) -> list[str]:
-        return [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages]
+        # (an empty one is a READ whose reader tells P "done" over the side channel: nixl_tp.py)
+        return [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
 
     def _disconnect(self, remote: RemoteEngine) -> None:
         self.agent.remove_remote_agent(remote.conn)

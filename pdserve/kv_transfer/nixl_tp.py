@@ -1,39 +1,48 @@
-"""The `nixl` pull handoff between tensor-parallel instances of the same size T.
+"""The `nixl` pull handoff for tensor-parallel instances, of the same size or not.
 
 Each rank's KV cache holds its own KV heads, in its own process (and GPU), so each rank registers it
-with an agent of its own, and D's rank r READs P's rank r's blocks: the same block ids, the same runs,
-one descriptor per run per rank. The lifecycle (leases, claims, heartbeats, the side channel) stays whole
-on rank 0 (pull_worker_common.py, lifecycle.py, as for one rank); only the transport hooks fan out:
+with an agent of its own and READs what it needs itself. The lifecycle (leases, claims, heartbeats, the
+side channel) stays whole on rank 0 (pull_worker_common.py, lifecycle.py, as for one rank); only the
+transport hooks fan out, to RankReader (below) on every rank:
 
-  register: every rank registers its cache; rank 0's handshake lists the other ranks' agents and
-            regions (their agent metadata base64-encoded), and the compatibility hash holds T, so a
-            pair of different sizes is refused at the handshake, naming both
-  connect:  D's rank r adds P's rank r's agent
-  post:     every rank posts its READ of the runs (notif: P's request id, on each P rank's agent)
-  check:    once per step, one call gathers every rank's transfer states (and P's notifications); a
-            READ is DONE when every rank's is, ERR when any rank's is
-  notifs:   P counts a request's READ done once every rank's agent was notified of it
-  release, disconnect, deregister: on every rank
+  register: every rank registers its cache; rank 0's handshake reply lists the other ranks' agents
+            (metadata base64-encoded) and regions. The compatibility hash holds the whole model's KV
+            shape, not a rank's, so P and D of different sizes pair.
+  connect:  each D rank adds the agents of the P ranks holding its heads (read_plan)
+  post:     of the same size, D's rank r READs P's rank r's block runs into its cache (one descriptor
+            per run per rank, as with one rank). Of different sizes, a rank's heads of a block are
+            strided in the [blocks, layers, 2, slots, heads, dim] layout, so each D rank READs whole
+            block runs of the P ranks holding its heads into a staging buffer registered for the load
+            (one descriptor per run per P rank), then copies its heads into its cache blocks once
+            every READ is done: P of T ranks to D of T/k reads k P ranks per D rank, nothing extra; P of
+            T/k to D of T reads each P block k times, once per D rank that needs a part of it.
+  check:    once per step one call gathers every rank's states; a load is DONE when every rank's READs
+            (and copies) are, ERR when any is
+  done:     of the same size P learns it from NIXL: each READ notifies the P rank it read, and P counts
+            a request read once every rank was notified. Of different sizes the counts do not line up,
+            so D's READs carry no notification and D tells P "done" over the side channel instead
+            (notifies_done, as cuda_ipc does), once every rank's READ is done.
 
-Ranks 1..T-1 run RankNixl (below) in their own processes. Rank 0 reaches them through `ranks`, the
-engine's tensor-parallel executor (worker/tp_executor.py): ranks.call(op, per_rank_args) → one result
-per rank 1..T-1, in order, or an exception. The executor makes these calls only between steps (before
-it hands a step to the ranks, after the step is done), so a rank is never inside a collective when
-asked.
+A one-rank decode instance uses this worker too (ranks None), so that it can read a tensor-parallel P;
+from a one-rank P it reads exactly as NixlConnectorWorker does. Ranks 1..T-1 are reached through
+`ranks`, the engine's tensor-parallel executor (worker/tp_executor.py): ranks.call(op, per_rank_args) →
+one result per rank, or an exception. The executor makes these calls only between steps, so a rank is
+never inside a collective when asked.
 """
 from __future__ import annotations
 
 import base64
 import itertools
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import NixlConnectorWorker, nixl_agent, nixl_agent_config, post_transfer, transfer_state
-from pdserve.kv_transfer.pull_worker_common import Load, Region, RemoteEngine
-from pdserve.kv_transfer.transport_worker import region_of
+from pdserve.kv_transfer.pull_worker_common import Load, Peer, Region, RemoteEngine
+from pdserve.kv_transfer.transport_worker import coalesce, region_of
 
 NOTIF_TTL_S = 600.0   # P: a request notified by some ranks only (a D rank that died mid-READ) is forgotten
 
@@ -44,153 +53,314 @@ class Ranks(Protocol):
     def call(self, op: str, per_rank_args: list[tuple] | None = None) -> list[Any]: ...
 
 
-class RankNixl:
-    """One rank's agent (ranks 1..T-1, in the rank's process), driven by rank 0's TPNixlConnectorWorker."""
+@dataclass(frozen=True)
+class ReadPiece:
+    remote_rank: int   # the remote rank to read from
+    src_head: int      # first of the heads taken, within the remote rank's heads
+    dst_head: int      # where they go, within this rank's heads
+    num_heads: int
 
-    def __init__(self, agent_name: str, enable_prog_thread: bool) -> None:
-        if nixl_agent is None:
-            raise ImportError("kv_connector nixl: neither nixl nor nixl_cu13 is installed")
-        self.agent_name = agent_name
-        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=enable_prog_thread,
-                                                              backends=["UCX"]))
+
+def read_plan(local_tp: int, rank: int, remote_tp: int, num_kv_heads: int) -> list[ReadPiece]:
+    """What local rank `rank` of `local_tp` reads from a remote instance of `remote_tp` ranks, for a model
+    of num_kv_heads KV heads; ValueError when one size does not divide the other."""
+    local_heads, remote_heads = num_kv_heads // local_tp, num_kv_heads // remote_tp
+    if remote_tp == local_tp:
+        return [ReadPiece(rank, 0, 0, local_heads)]
+    if max(local_tp, remote_tp) % min(local_tp, remote_tp):
+        raise ValueError(f"tensor parallel sizes {local_tp} (here) and {remote_tp} (remote): one must divide "
+                         "the other")
+    if remote_tp < local_tp:   # a remote rank holds k of ours: ours is a part of one of its
+        k = local_tp // remote_tp
+        return [ReadPiece(rank // k, (rank % k) * local_heads, 0, local_heads)]
+    k = remote_tp // local_tp
+    return [ReadPiece(rank * k + j, 0, j * remote_heads, remote_heads) for j in range(k)]
+
+
+@dataclass
+class _Read:
+    """One rank's part of one load: its transfers, and the staging buffer when heads are regrouped."""
+    xfers: list[Any]
+    plan: list[ReadPiece]
+    local_block_ids: list[int]
+    staging: torch.Tensor | None = None
+    staging_reg: Any = None
+    is_copied: bool = False
+
+
+class RankReader:
+    """One rank's transport: its agent and cache, the remote ranks it reads, its reads in flight.
+    Ranks 1..T-1 run one in their processes; rank 0 runs one over the worker half's own agent."""
+
+    def __init__(self, agent: Any, agent_name: str, rank: int, tp_size: int, num_kv_heads: int) -> None:
+        self.agent, self.agent_name = agent, agent_name
+        self.rank, self.tp_size, self.num_kv_heads = rank, tp_size, num_kv_heads
+        self.kv_cache: torch.Tensor | None = None
         self.region: Region | None = None
-        self._kv_cache: torch.Tensor | None = None
         self._reg_descs = None
-        self._handles: dict[int, Any] = {}
+        self.remotes: dict[str, tuple[int, dict[int, tuple[str, Region]]]] = {}  # key → (remote tp, rank → agent)
+        self._reads: dict[int, _Read] = {}
         self._ids = itertools.count()
 
+    @classmethod
+    def create(cls, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int,
+               num_kv_heads: int) -> RankReader:
+        if nixl_agent is None:
+            raise ImportError("kv_connector nixl: neither nixl nor nixl_cu13 is installed")
+        agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=["UCX"]))
+        return cls(agent, agent_name, rank, tp_size, num_kv_heads)
+
     def register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
-        self._kv_cache = kv_cache
+        self.kv_cache = kv_cache
         self._reg_descs = self.agent.register_memory(kv_cache)
         self.region = region_of(kv_cache)
         return {"agent_name": self.agent_name, "region": self.region.__dict__,
                 "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode()}
 
-    def connect(self, metadata: str) -> str:
-        return self.agent.add_remote_agent(base64.b64decode(metadata))
+    def adopt(self, kv_cache: torch.Tensor, region: Region) -> None:
+        """Rank 0: the worker half registered the cache already."""
+        self.kv_cache, self.region = kv_cache, region
 
-    def post(self, remote_region: dict, remote_agent: str, runs: list[tuple[int, int, int]], notif: str
-             ) -> tuple[int, str]:
-        handle, state = post_transfer(self.agent, "READ", self.region, Region(**remote_region), remote_agent,
-                                      runs, notif.encode())
-        handle_id = next(self._ids)
-        self._handles[handle_id] = handle
-        return handle_id, state
+    def connect(self, key: str, remote_ranks: list[dict[str, Any]]) -> None:
+        """remote_ranks: every remote rank's {agent_name, region, metadata or None (rank 0's agent, added by
+        the worker half already)}; only the ranks this one reads are added."""
+        remote_tp = len(remote_ranks)
+        agents = {}
+        for piece in read_plan(self.tp_size, self.rank, remote_tp, self.num_kv_heads):
+            entry = remote_ranks[piece.remote_rank]
+            name = self.agent.add_remote_agent(base64.b64decode(entry["metadata"])) if entry["metadata"] \
+                else entry["agent_name"]
+            agents[piece.remote_rank] = (name, Region(**entry["region"]))
+        self.remotes[key] = (remote_tp, agents)
+
+    def disconnect(self, key: str, keep_first: bool) -> None:
+        remote = self.remotes.pop(key, None)
+        if remote is not None:
+            for remote_rank, (name, _) in remote[1].items():
+                if not (keep_first and remote_rank == 0):   # rank 0's own agent: the worker half's to remove
+                    self.agent.remove_remote_agent(name)
+
+    def post(self, key: str, local_block_ids: list[int], remote_block_ids: list[int], notif: str) -> tuple[int, str]:
+        remote_tp, agents = self.remotes[key]
+        plan = read_plan(self.tp_size, self.rank, remote_tp, self.num_kv_heads)
+        read = _Read([], plan, list(local_block_ids))
+        try:
+            if remote_tp == self.tp_size:
+                name, region = agents[plan[0].remote_rank]   # the same heads: straight into the cache
+                read.xfers.append(post_transfer(self.agent, "READ", self.region, region, name,
+                                                coalesce(local_block_ids, remote_block_ids), notif.encode())[0])
+            else:
+                self._post_staged(read, agents, remote_tp, remote_block_ids)
+        except Exception:
+            self._let_go(read)
+            raise
+        read_id = next(self._ids)
+        self._reads[read_id] = read
+        return read_id, self._state(read)
+
+    def _post_staged(self, read: _Read, agents: dict, remote_tp: int, remote_block_ids: list[int]) -> None:
+        n = len(remote_block_ids)
+        layers, _, slots, _, dim = self.kv_cache.shape[1:]
+        remote_heads = self.num_kv_heads // remote_tp
+        # [pieces * n, layers, 2, slots, remote heads, dim]: piece j's blocks at j * n ..
+        read.staging = torch.empty((len(read.plan) * n, layers, 2, slots, remote_heads, dim),
+                                   dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        read.staging_reg = self.agent.register_memory(read.staging)
+        staging = region_of(read.staging)
+        for j, piece in enumerate(read.plan):
+            name, region = agents[piece.remote_rank]
+            runs = coalesce(list(range(j * n, (j + 1) * n)), remote_block_ids)
+            read.xfers.append(post_transfer(self.agent, "READ", staging, region, name, runs, b"")[0])
+
+    def _state(self, read: _Read) -> str:
+        states = [transfer_state(self.agent, x) for x in read.xfers]
+        state = combine(states)
+        if state == "DONE" and read.staging is not None and not read.is_copied:
+            index = torch.tensor(read.local_block_ids, device=self.kv_cache.device)
+            n = len(read.local_block_ids)
+            for j, p in enumerate(read.plan):
+                self.kv_cache[index, :, :, :, p.dst_head:p.dst_head + p.num_heads] = \
+                    read.staging[j * n:(j + 1) * n, :, :, :, p.src_head:p.src_head + p.num_heads]
+            read.is_copied = True
+        return state
+
+    def state_of(self, read_id: int) -> str:
+        return self._state(self._reads[read_id])
 
     def poll(self) -> tuple[dict[int, str], list[str]]:
-        """Every live READ's state, and the notifications that arrived (P's side)."""
-        states = {i: transfer_state(self.agent, h) for i, h in self._handles.items()}
-        notifs = [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages]
+        """Every read's state (copied into the cache once done), and the notifications that arrived."""
+        states = {i: self._state(r) for i, r in self._reads.items()}
+        notifs = [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
         return states, notifs
 
-    def release(self, handle_id: int) -> None:
-        handle = self._handles.get(handle_id)
-        if handle is not None:
-            handle.release()   # raises for an active READ it cannot abort: the handle stays ours
-            del self._handles[handle_id]
+    def release(self, read_id: int) -> None:
+        read = self._reads.get(read_id)
+        if read is not None:
+            self._let_go(read)   # raises for a READ still active that cannot be aborted: it stays ours
+            del self._reads[read_id]
 
-    def disconnect(self, agent_name: str) -> None:
-        self.agent.remove_remote_agent(agent_name)
+    def _let_go(self, read: _Read) -> None:
+        while read.xfers:
+            read.xfers[-1].release()
+            read.xfers.pop()
+        if read.staging_reg is not None:
+            self.agent.deregister_memory(read.staging_reg)
+            read.staging_reg = read.staging = None
 
     def deregister(self) -> None:
-        for handle in self._handles.values():
+        for read in self._reads.values():
             try:
-                handle.release()
+                self._let_go(read)
             except Exception:
                 pass
-        self._handles.clear()
+        self._reads.clear()
         if self._reg_descs is not None:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None
-        self._kv_cache = None
+        self.kv_cache = None
+
+
+def combine(states: list[str]) -> str:
+    if "ERR" in states:
+        return "ERR"
+    return "DONE" if all(s == "DONE" for s in states) else "PROC"
 
 
 class _TPHandle:
-    """Rank 0's READ and the other ranks' READ ids; each part is let go once."""
+    """A load's read id on every rank (rank 0's first); each is let go once."""
 
-    def __init__(self, handle0: Any, rank_ids: list[int]) -> None:
-        self.handle0, self.rank_ids = handle0, rank_ids
+    def __init__(self, read_ids: list[int | None]) -> None:
+        self.read_ids = read_ids
 
 
 class TPNixlConnectorWorker(NixlConnectorWorker):
-    """Rank 0's worker half of a tensor-parallel instance; see the module docstring."""
+    """Rank 0's worker half of a tensor-parallel instance, or a one-rank decode instance's (ranks None)."""
 
-    def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int], ranks: Ranks) -> None:
+    def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int],
+                 ranks: Ranks | None, num_kv_heads: int) -> None:
         self.ranks = ranks
+        self.tp_size = ranks.size if ranks is not None else 1
         self._rank_states: list[dict[int, str]] = []
         self._rank_notifs: list[list[str]] = []
         self._notif_counts: dict[str, tuple[int, float]] = {}   # P: request id → (ranks notified, first seen)
+        self._staged_loads: set[str] = set()                    # D: loads whose P has another size
         super().__init__(config, engine_id, compat)
-        self.ranks.call("kv_init", [(f"{engine_id}-rank{r}", config.enable_prog_thread)
-                                    for r in range(1, ranks.size)])
+        self.local = RankReader(self.agent, engine_id, 0, self.tp_size, num_kv_heads)
+        self._call("kv_init", [(f"{engine_id}-rank{r}", config.enable_prog_thread, r, self.tp_size, num_kv_heads)
+                               for r in range(1, self.tp_size)])
+
+    def _call(self, op: str, per_rank_args: list[tuple] | None = None) -> list[Any]:
+        return self.ranks.call(op, per_rank_args) if self.ranks is not None else []
 
     def _register(self, kv_cache: torch.Tensor) -> tuple[dict[str, Any], bytes]:
         fields, blob = super()._register(kv_cache)
-        fields["ranks"] = self.ranks.call("kv_register")
+        fields["tp_ranks"] = self._call("kv_register")   # ranks 1..T-1
         return fields, blob
 
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        super().register_kv_caches(kv_caches)
+        self.local.adopt(self._kv_cache, self._region)
+
+    def _check_remote_region(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
+        remote_tp = 1 + len(reply.get("tp_ranks") or [])
+        if remote_tp == self.tp_size:
+            super()._check_remote_region(region, reply, engine_id)
+        else:   # a rank's block is another size there: the plan must exist
+            try:
+                read_plan(self.tp_size, 0, remote_tp, self.local.num_kv_heads)
+            except ValueError as e:
+                raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: {e}") from None
+
     def _connect(self, remote: RemoteEngine) -> None:
-        remote_ranks = remote.reply.get("ranks")
-        if not isinstance(remote_ranks, list) or len(remote_ranks) != self.ranks.size - 1:
-            raise RuntimeError(f"remote engine {remote.engine_id} has {1 + len(remote_ranks or [])} tensor "
-                               f"parallel ranks, this one {self.ranks.size}")
-        super()._connect(remote)
-        names = self.ranks.call("kv_connect", [(r["metadata"],) for r in remote_ranks])
-        remote.conn = (remote.conn, names, [r["region"] for r in remote_ranks])
+        super()._connect(remote)   # rank 0's agent → P rank 0's agent (named remote.conn)
+        entries = [{"agent_name": remote.conn, "region": remote.region.__dict__, "metadata": None},
+                   *(remote.reply.get("tp_ranks") or [])]
+        key = f"{remote.engine_id}:{remote.reply.get('boot_id')}"
+        self.local.connect(key, entries)
+        # ranks 1..T-1 may need P's rank 0 too (a wider P): they get its metadata
+        entries[0] = {**entries[0], "metadata": base64.b64encode(remote.blob).decode()}
+        self._call("kv_connect", [(key, entries)] * (self.tp_size - 1))
+        remote.conn = (remote.conn, key, len(entries))
+
+    @property
+    def notifies_done(self) -> bool:   # see get_finished: per load
+        return False
 
     def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
-        agent0, names, regions = remote.conn
-        handle0, state0 = post_transfer(self.agent, "READ", self._region, remote.region, agent0, runs,
-                                        load.spec.remote_request_id.encode())
+        _, key, remote_tp = remote.conn
+        spec = load.spec
+        notif = spec.remote_request_id if remote_tp == self.tp_size else ""
+        if remote_tp != self.tp_size:
+            self._staged_loads.add(spec.request_id)
+        read_id, state0 = self.local.post(key, spec.local_block_ids, spec.remote_block_ids, notif)
+        handle = _TPHandle([read_id])
         try:
-            posted = self.ranks.call("kv_post", [(region, name, runs, load.spec.remote_request_id)
-                                                 for region, name in zip(regions, names)])
+            posted = self._call("kv_post", [(key, spec.local_block_ids, spec.remote_block_ids, notif)]
+                                * (self.tp_size - 1))
         except Exception:
-            handle0.release()
+            self._release(handle)
             raise
-        handle = _TPHandle(handle0, [handle_id for handle_id, _ in posted])
-        return handle, _combine([state0, *(state for _, state in posted)])
+        handle.read_ids += [read_id for read_id, _ in posted]
+        return handle, combine([state0, *(state for _, state in posted)])
 
     def _post_read(self, load: Load, remote: RemoteEngine) -> tuple[Any, str, int, int]:
         handle, state, num_descriptors, num_bytes = super()._post_read(load, remote)
-        return handle, state, num_descriptors * self.ranks.size, num_bytes * self.ranks.size  # every rank's
+        return handle, state, num_descriptors * self.tp_size, num_bytes * self.tp_size  # every rank's
 
     def _check(self, handle: _TPHandle) -> str:
-        states = [transfer_state(self.agent, handle.handle0) if handle.handle0 is not None else "DONE"]
-        for rank_states, handle_id in zip(self._rank_states, handle.rank_ids):
-            states.append(rank_states.get(handle_id, "PROC"))   # posted after this step's poll
-        return _combine(states)
+        states = [self.local.state_of(handle.read_ids[0]) if handle.read_ids[0] is not None else "DONE"]
+        for rank_states, read_id in zip(self._rank_states, handle.read_ids[1:]):
+            states.append(rank_states.get(read_id, "PROC") if read_id is not None else "DONE")
+        return combine(states)
 
     def _release(self, handle: _TPHandle | None) -> None:
         """Raises while some rank's READ is active and cannot be aborted (the lifecycle then quarantines
         the load and calls again later; parts already let go are not let go twice)."""
         if handle is None:
             return
-        if handle.handle0 is not None:
-            handle.handle0.release()
-            handle.handle0 = None
-        self.ranks.call("kv_release", [(handle_id,) for handle_id in handle.rank_ids])
+        if handle.read_ids[0] is not None:
+            self.local.release(handle.read_ids[0])
+            handle.read_ids[0] = None
+        rest = handle.read_ids[1:]
+        if any(r is not None for r in rest):
+            self._call("kv_release", [(r,) for r in rest])
+            handle.read_ids[1:] = [None] * len(rest)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         # One round to the ranks a step, and only while something may be moving: D's READs, or P's blocks
         # under a lease (a READ of them completes, and notifies, only as the ranks' agents progress).
-        if self._region is not None and (self.loader.num_pending() or self.holder.num_pending()):
-            polled = self.ranks.call("kv_poll")
+        if self.ranks is not None and self._region is not None and (
+                self.loader.num_pending() or self.holder.num_pending()):
+            polled = self._call("kv_poll")
             self._rank_states = [states for states, _ in polled]
             self._rank_notifs = [notifs for _, notifs in polled]
         else:
             self._rank_states, self._rank_notifs = [], []
         return super().get_finished()
 
+    def _count_read(self, load: Load, seconds: float) -> None:
+        super()._count_read(load, seconds)
+        # A P of another size cannot count NIXL notifications: tell it over the side channel.
+        if load.spec.request_id in self._staged_loads:
+            self._staged_loads.discard(load.spec.request_id)
+            peer = self.loader.peers.get((load.spec.remote_engine_id, load.spec.remote_boot_id))
+            if peer is not None:
+                self._send_done(peer, [load.spec.remote_request_id])
+
+    def _load_failed(self, load: Any, error: str, invalid_block_ids: list[int], for_client: bool = True) -> None:
+        self._staged_loads.discard(load.spec.request_id)
+        super()._load_failed(load, error, invalid_block_ids, for_client)
+
     def _take_notifs(self) -> list[str]:
-        now = time.monotonic()
-        notified = [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages]
+        notified = [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
+        if self.ranks is None:
+            return notified
         for notifs in self._rank_notifs:
             notified += notifs
-        done = []
+        now, done = time.monotonic(), []
         for request_id in notified:
             count, first = self._notif_counts.get(request_id, (0, now))
-            if count + 1 == self.ranks.size:
+            if count + 1 == self.tp_size:
                 self._notif_counts.pop(request_id, None)
                 done.append(request_id)
             else:
@@ -200,16 +370,12 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         return done
 
     def _disconnect(self, remote: RemoteEngine) -> None:
-        agent0, names, _ = remote.conn
+        agent0, key, _ = remote.conn
+        self.local.disconnect(key, keep_first=True)
         self.agent.remove_remote_agent(agent0)
-        self.ranks.call("kv_disconnect", [(name,) for name in names])
+        self._call("kv_disconnect", [(key, False)] * (self.tp_size - 1))
 
     def _deregister(self) -> None:
+        self.local.deregister()   # its reads; the cache's registration is the worker half's
         super()._deregister()
-        self.ranks.call("kv_deregister")
-
-
-def _combine(states: list[str]) -> str:
-    if "ERR" in states:
-        return "ERR"
-    return "DONE" if all(s == "DONE" for s in states) else "PROC"
+        self._call("kv_deregister")

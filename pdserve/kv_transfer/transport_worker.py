@@ -190,10 +190,14 @@ class TransportWorker(KVConnectorWorker):
         region = Region(**reply["region"])
         if not all(isinstance(v, int) for v in (region.base_addr, region.num_blocks, region.block_bytes)):
             raise TypeError("region fields must be integers")
+        self._check_remote_region(region, reply, engine_id)
+        return RemoteEngine(engine_id, region, reply, blob)
+
+    def _check_remote_region(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
+        """RuntimeError when the peer's blocks cannot pair with ours (a block of another size)."""
         if self._region is not None and region.block_bytes != self._region.block_bytes:
             raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: "
                                f"block_bytes local={self._region.block_bytes} remote={region.block_bytes}")
-        return RemoteEngine(engine_id, region, reply, blob)
 
     def _on_handshake(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         reply = {"engine_id": self.engine_id, "boot_id": self.boot_id, "compat": self.compat}

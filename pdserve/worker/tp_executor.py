@@ -356,9 +356,9 @@ class RankCalls:
                          "kv_disconnect": lambda *a: self.transport.disconnect(*a),
                          "kv_deregister": lambda: self.transport.deregister()}
 
-    def kv_init(self, agent_name: str, enable_prog_thread: bool) -> None:
-        from pdserve.kv_transfer.nixl_tp import RankNixl
-        self.transport = RankNixl(agent_name, enable_prog_thread)
+    def kv_init(self, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int, num_kv_heads: int) -> None:
+        from pdserve.kv_transfer.nixl_tp import RankReader
+        self.transport = RankReader.create(agent_name, enable_prog_thread, rank, tp_size, num_kv_heads)
 
     def run(self, op: str, args: tuple) -> tuple[str, object]:
         """("ok", result) or ("error", why): a failure of one call is rank 0's to handle, not this rank's end."""

@@ -261,9 +261,9 @@ def test_up_gives_every_instance_its_tensor_parallel_size(monkeypatch):
 def test_up_refuses_tensor_parallel_instances_it_cannot_pair(capsys):
     from pdserve import cluster
     assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
-                               serve_args=[], kv_transfer_config=None, device="cpu",
+                               serve_args=["-tp", "2"], kv_transfer_config=None, device="cpu",
                                decode_args=["--tensor-parallel-size", "3"]) == 2
-    assert "different --tensor-parallel-size ([1, 3])" in capsys.readouterr().err
+    assert "--tensor-parallel-size [2, 3]: of two sizes one must divide the other" in capsys.readouterr().err
     assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
                                serve_args=["-tp", "3"], kv_transfer_config=None, device="cpu",
                                kv_connector="nixl-push") == 2

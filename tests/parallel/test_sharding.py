@@ -90,3 +90,24 @@ def test_one_rank_needs_no_process_group():
     assert group.min_over_ranks(5, torch.device("cpu")) == 5
     with pytest.raises(ValueError):
         TPGroup(2, 2)
+
+
+def test_each_decode_rank_reads_its_heads_from_the_prefill_ranks_holding_them():
+    from pdserve.kv_transfer.nixl_tp import ReadPiece, read_plan
+    assert read_plan(2, 1, 2, 8) == [ReadPiece(1, 0, 0, 4)]                      # same size: rank to rank
+    assert read_plan(4, 3, 2, 8) == [ReadPiece(1, 2, 0, 2)]                      # a wider P: part of one rank
+    assert read_plan(1, 0, 2, 8) == [ReadPiece(0, 0, 0, 4), ReadPiece(1, 0, 4, 4)]   # a narrower P: whole ranks
+    assert read_plan(2, 1, 4, 8) == [ReadPiece(2, 0, 0, 2), ReadPiece(3, 0, 2, 2)]
+    with pytest.raises(ValueError, match="one must divide the other"):
+        read_plan(2, 0, 3, 6)
+    # every head of every D rank comes from exactly one place, for every pair of sizes
+    for local_tp in (1, 2, 4, 8):
+        for remote_tp in (1, 2, 4, 8):
+            covered = []
+            for rank in range(local_tp):
+                for p in read_plan(local_tp, rank, remote_tp, 8):
+                    src = p.remote_rank * (8 // remote_tp) + p.src_head
+                    dst = rank * (8 // local_tp) + p.dst_head
+                    assert src == dst
+                    covered += range(dst, dst + p.num_heads)
+            assert sorted(covered) == list(range(8))
