@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="start one OpenAI-compatible instance",
+    # No abbreviated flags: `pdserve up` reads some of an instance's flags (its tensor-parallel size) from
+    # --prefill-args and the like, and must read them as `serve` does.
+    serve = sub.add_parser("serve", help="start one OpenAI-compatible instance", allow_abbrev=False,
                            description="Start one instance: engine process + OpenAI-compatible HTTP server.")
     _add_server_args(serve)
     _add_model_args(serve)
@@ -251,7 +253,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return config
 
 
-async def _serve(config: EngineConfig, host: str, port: int, server_config: ServerConfig) -> None:
+async def _serve(config: EngineConfig, host: str, port: int, server_config: ServerConfig) -> bool:
     from pdserve.engine.async_engine import AsyncEngine
     from pdserve.server.app import start_server
     engine = AsyncEngine(config)
@@ -268,6 +270,7 @@ async def _serve(config: EngineConfig, host: str, port: int, server_config: Serv
     await asyncio.wait([asyncio.create_task(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
     await runner.cleanup()
     await engine.shutdown()
+    return dead.done()   # the engine ended on its own: a supervisor should start the instance again
 
 
 async def _watch_engine(engine) -> None:
@@ -286,9 +289,12 @@ def serve_main(args: argparse.Namespace) -> int:
     from pdserve.http_guard import use_fast_event_loop
     logging.getLogger("pdserve.server").info("event loop: %s", use_fast_event_loop())
     try:
-        asyncio.run(_serve(config, args.host, args.port, server_config))
+        engine_ended = asyncio.run(_serve(config, args.host, args.port, server_config))
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
+        return 1
+    if engine_ended:
+        print("pdserve serve: the engine process ended (see the log above); exiting with 1", file=sys.stderr)
         return 1
     return 0
 

@@ -70,6 +70,8 @@ def tensor_parallel_size(args: Sequence[str]) -> int:
                 size = int(text)
             except ValueError:
                 raise ValueError(f"{flag}: expected an integer, got {text!r}") from None
+            if size < 1:
+                raise ValueError(f"{flag}: must be >= 1, got {size}")
     return size
 
 

@@ -128,6 +128,10 @@ def _engine_loop(core, in_conn, out_conn) -> str | None:
             if core.degraded != degraded:
                 degraded = core.degraded
                 out_conn.send(("degraded", degraded))
+        if not busy:
+            core.check_ranks()
+            if core.broken is not None:
+                return core.broken
         now = time.monotonic()
         busy = core.has_work()
         if now - last_stats >= STATS_INTERVAL_S or (was_busy and not busy):

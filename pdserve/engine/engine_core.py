@@ -126,10 +126,19 @@ class EngineCore:
         # For the router (docs/router.md): the bytes a handoff moves per token, and counters whose
         # deltas give it this instance's rates.
         kv_cache = self.runner.kv_cache
-        self.kv_bytes_per_token = kv_cache[0].numel() * kv_cache.element_size() // config.cache.block_size
+        self.kv_bytes_per_token = (kv_cache[0].numel() * kv_cache.element_size() // config.cache.block_size
+                                   * config.parallel.tensor_parallel_size)   # every rank's heads
         self.num_prompt_tokens_computed = 0
         self.num_output_tokens = 0
         self.busy_seconds = 0.0
+
+    def check_ranks(self) -> None:
+        """A tensor-parallel rank that died while the engine was idle breaks it now, before a request
+        meets it (the engine process then ends and its supervisor starts the instance again)."""
+        if isinstance(self.runner, TPExecutor) and self.broken is None:
+            lost = self.runner.dead_rank()
+            if lost is not None:
+                self.broken = f"tensor parallel: {lost}"
 
     def kv_side_channel(self) -> dict[str, Any] | None:
         """Where peers reach this instance's connector ({host, port, boot_id}); None without one."""

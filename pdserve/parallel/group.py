@@ -6,13 +6,16 @@ the model code has no branch for "not parallel" and a single instance never touc
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
 
 # A collective waits for every rank. A rank that died closes its sockets and the others fail at
-# once; this bounds the rest (a rank stuck in a step): longer than any one step may take on a CPU.
-COLLECTIVE_TIMEOUT_S = 300.0
+# once; this bounds the rest (a rank stuck, stopped or spinning): far longer than the compute between two
+# collectives (half a layer: ~9 s for a 2,048-token chunk of an 8B layer on a slow CPU), short enough that a
+# hung instance ends in minutes. $PDSERVE_TP_COLLECTIVE_TIMEOUT_S sets it.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("PDSERVE_TP_COLLECTIVE_TIMEOUT_S", "120"))
 
 
 class TPGroup:

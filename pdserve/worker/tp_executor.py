@@ -2,8 +2,11 @@
 
 The lifecycle, from rank 0's side (TPExecutor):
 1. Open a TCPStore on 127.0.0.1 (the OS picks the port) and start one process per other rank
-   (`python -m pdserve.worker.tp_executor FD PARENT_PID`), each with a socket to rank 0. A rank arms
-   PR_SET_PDEATHSIG first thing, so it never outlives the engine process, even a SIGKILLed one.
+   (`python -m pdserve.worker.tp_executor FD PARENT_PID`), each with a socket to rank 0. A rank watches
+   its parent from a thread of its own and exits within a second of it, even a SIGKILLed one, even while
+   blocked in a collective (PR_SET_PDEATHSIG would fire when the thread that started the rank ends: an
+   offline LLM built in a worker thread lost its ranks with that thread). One TP instance per process:
+   torch.distributed has one default group.
 2. Send each rank its (config, rank, size, store port, cores). Every rank joins the process group
    (gloo on CPU, NCCL on CUDA), loads its slices of the weights and allocates its KV cache (the ranks
    agree on the number of blocks), then reports "ready", or "failed" with the reason; rank 0 waits
@@ -16,8 +19,11 @@ The lifecycle, from rank 0's side (TPExecutor):
    connector's start_load_kv runs before the step is sent, its report after the step is done, so no
    rank is inside a collective when asked. A call is answered within CALL_TIMEOUT_S or the rank is lost.
 4. A rank that dies or hangs: rank 0's next collective fails (at once for a closed socket, after
-   COLLECTIVE_TIMEOUT_S for a hung rank) and the step raises RankLost. The engine is then broken
-   and its process ends; whoever supervises the instance (`pdserve up`) starts it again.
+   COLLECTIVE_TIMEOUT_S for a hung rank) and the step raises RankLost; so does any failure raised inside
+   torch.distributed, and an interrupt (KeyboardInterrupt) in the middle of a step, since the ranks are
+   then out of step for good. The engine is then broken and its process ends; whoever supervises the
+   instance (`pdserve up`) starts it again. The engine loop also asks dead_rank() while idle, so a rank
+   that died between requests ends the instance before a client pays for it.
 5. shutdown(): "shutdown" to every rank, a bounded wait for each to exit, then SIGKILL.
 
 The scheduler, the KV cache manager and the engine loop are those of one rank: they see this object
@@ -25,16 +31,16 @@ through the ModelRunner methods they call (launch, collect, execute_model, warm_
 """
 from __future__ import annotations
 
-import ctypes
 import datetime
 import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from multiprocessing.connection import Connection
 
 import torch
@@ -54,7 +60,7 @@ START_TIMEOUT_S = 600.0     # every rank loaded and ready (weights from disk, a 
 RENDEZVOUS_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 10.0
 CALL_TIMEOUT_S = 60.0       # a rank's answer to call(): it may first finish the step it is in
-PR_SET_PDEATHSIG = 1
+PARENT_CHECK_S = 1.0
 
 
 class RankLost(RuntimeError):
@@ -110,6 +116,10 @@ class TPExecutor:
 
     def __init__(self, config: EngineConfig, num_blocks: int | None = None) -> None:
         size = config.parallel.tensor_parallel_size
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel_size: one tensor-parallel instance per process (this one has a "
+                             "process group already); shut the other down first")
+        self._owns_group = False
         shape = load_model_config(config.model.model)   # refuse a size the model cannot take before any rank starts
         check_tp_size(size, shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
         self.size, self.lost = size, None
@@ -127,6 +137,7 @@ class TPExecutor:
             set_num_threads(rank_threads(config, cores[0], is_shared), "tensor parallel rank 0")
             device = rank_device(config, 0)
             self.group = _join_group(0, size, store, device)
+            self._owns_group = True
             self.runner = ModelRunner(config.model, config.cache, None, num_blocks,
                                       max_num_seqs=config.scheduler.max_num_seqs, tp=self.group, device=device)
             self._wait_ready()
@@ -212,16 +223,22 @@ class TPExecutor:
         return self.collect(self.launch(out))
 
     def launch(self, out) -> StepHandle:
+        return self._guarded(self._launch, out)
+
+    def _launch(self, out) -> StepHandle:
         if self._connector is not None and out.connector_meta is not None:
-            self._guarded(self._connector.start_load_kv, out.connector_meta)
+            self._connector.start_load_kv(out.connector_meta)   # before the ranks enter the step
         self._send(("step", out))
-        return self._guarded(self.runner.launch, out)
+        return self.runner.launch(out)
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
-        output = self._guarded(self.runner.collect, handle)
+        return self._guarded(self._collect, handle)
+
+    def _collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        output = self.runner.collect(handle)
         if self._connector is None:
             return output
-        return ModelRunnerOutput(output.sampled_token_ids, self._guarded(connector_output, self._connector))
+        return ModelRunnerOutput(output.sampled_token_ids, connector_output(self._connector))
 
     def call(self, op: str, per_rank_args: list[tuple] | None = None) -> list:
         """Run `op` on ranks 1..T-1 (RankCalls), each with its args; their results in rank order. A
@@ -261,15 +278,25 @@ class TPExecutor:
         try:
             return fn(*args)
         except Exception as error:
-            # A collective that failed (a rank gone or hung) leaves the ranks out of step for good; a
-            # failure every rank met alike (the same inputs) leaves them in step, and fails its requests only.
+            # A collective that failed (a rank gone or hung: gloo's timeout is a plain RuntimeError) leaves
+            # the ranks out of step for good; a failure every rank met alike outside the collectives (the
+            # same inputs) leaves them in step, and fails its requests only.
             reason = self._reason_of_a_failed_rank()
-            if reason is None and isinstance(error, dist.DistError):
-                reason = f"a collective failed ({type(error).__name__}: {error})"
+            if reason is None and (isinstance(error, dist.DistError) or _raised_in_torch_distributed(error)):
+                reason = f"a collective failed ({type(error).__name__}: {str(error)[:200]})"
             if reason is not None:
                 self.lost = reason
                 raise RankLost(reason) from error
             raise
+        except BaseException:   # an interrupt mid-step: rank 0 left the step the others are in
+            self.lost = "interrupted in the middle of a step: the ranks are out of step"
+            raise
+
+    def dead_rank(self) -> str | None:
+        """Why the group cannot step any more (a rank exited), or None; cheap enough for an idle loop."""
+        if self.lost is None and any(proc.poll() is not None for proc in self.workers):
+            self.lost = self._reason_of_a_failed_rank()
+        return self.lost
 
     def shutdown(self) -> None:
         for conn in self.conns:
@@ -287,17 +314,26 @@ class TPExecutor:
         for conn in self.conns:
             conn.close()
         self.workers, self.conns = [], []
-        destroy_tp_group()
+        if self._owns_group:
+            destroy_tp_group()
+            self._owns_group = False
 
 
 # -- ranks 1..T-1 -------------------------------------------------------------------------------
 
 def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the engine process ends (however it ends)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:   # it ended before the line above
+    """End this process within PARENT_CHECK_S of the engine process's end (however it ends): an orphan
+    is adopted by another process, so its parent id changes."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_S)
         os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="tp-parent-watch").start()
+
+
+def _raised_in_torch_distributed(error: BaseException) -> bool:
+    return any("torch/distributed" in frame.filename.replace("\\", "/")
+               for frame in traceback.extract_tb(error.__traceback__))
 
 
 def _serve_rank(conn: Connection) -> None:

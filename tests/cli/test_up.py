@@ -275,3 +275,8 @@ def test_up_refuses_tensor_parallel_instances_it_cannot_pair(capsys):
                                port=9000, serve_args=["-tp", "4"], kv_transfer_config=None, device="cuda",
                                gpus=[0, 1]) == 2
     assert "needs as many GPUs, 2 listed" in capsys.readouterr().err
+    # a size below 1, and abbreviated flags (which `serve` took for -tp while `up` did not), are refused
+    assert cli.main(["up", "--decode-args=-tp 0"]) == 2
+    assert "-tp: must be >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(["up", "--num-colocated", "1", "--colocated-args=--tensor 3"]) == 2
+    assert "unrecognized arguments: --tensor 3" in capsys.readouterr().err

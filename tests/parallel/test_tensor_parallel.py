@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -136,3 +137,95 @@ def test_the_ranks_end_with_the_engine_process_even_a_sigkilled_one(tiny_paths):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+def test_a_hung_rank_breaks_the_engine_at_the_collective_timeout(tiny_paths, monkeypatch):
+    """gloo's timeout is a plain RuntimeError and the stopped rank has not exited: before, the step failed
+    as an ordinary one and every later step failed too, with the engine never broken (review, 2026-12-04)."""
+    monkeypatch.setenv("PDSERVE_TP_COLLECTIVE_TIMEOUT_S", "3")   # read by every rank at start
+    import pdserve.parallel.group as group
+    import pdserve.worker.tp_executor as executor
+    monkeypatch.setattr(group, "COLLECTIVE_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(executor, "COLLECTIVE_TIMEOUT_S", 3.0)
+    llm = LLM(tiny_paths["llama"], tensor_parallel_size=2, kv_cache_memory=16 << 20)
+    rank1 = llm.engine.runner.workers[0]
+    try:
+        os.kill(rank1.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        result, = llm.generate([[1, 2, 3]], GREEDY)
+        assert time.monotonic() - start < 60
+        assert result.finish_reason == FinishReason.ERROR
+        assert llm.engine.broken is not None and "collective failed" in llm.engine.broken
+    finally:
+        os.kill(rank1.pid, signal.SIGCONT)
+        llm.shutdown()
+
+
+def test_a_second_tensor_parallel_instance_in_a_process_is_refused_and_the_first_serves_on(tiny_paths):
+    llm = LLM(tiny_paths["llama"], tensor_parallel_size=2, kv_cache_memory=16 << 20)
+    try:
+        want = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+        with pytest.raises(ValueError, match="one tensor-parallel instance per process"):
+            LLM(tiny_paths["llama"], tensor_parallel_size=2, kv_cache_memory=16 << 20)
+        assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == want
+    finally:
+        llm.shutdown()
+
+
+def test_ranks_outlive_the_thread_that_started_them(tiny_paths):
+    """PR_SET_PDEATHSIG fired when the creating thread ended: an LLM built in a thread lost its ranks."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(LLM(tiny_paths["llama"], tensor_parallel_size=2,
+                                                            kv_cache_memory=16 << 20)))
+    thread.start()
+    thread.join()
+    llm, = box
+    try:
+        time.sleep(2)
+        assert all(w.poll() is None for w in llm.engine.runner.workers)
+        assert all(r.finish_reason != FinishReason.ERROR for r in llm.generate(PROMPTS, GREEDY))
+    finally:
+        llm.shutdown()
+
+
+def test_an_interrupt_mid_step_breaks_the_engine_instead_of_leaving_the_ranks_out_of_step(tiny_paths):
+    llm = LLM(tiny_paths["llama"], tensor_parallel_size=2, kv_cache_memory=16 << 20)
+    try:
+        runner = llm.engine.runner.runner
+        real_launch = runner.launch
+
+        def interrupted(out):
+            runner.launch = real_launch
+            raise KeyboardInterrupt
+        runner.launch = interrupted
+        llm.add(PROMPTS[0], GREEDY)
+        with pytest.raises(KeyboardInterrupt):
+            llm.engine.step()
+        result, = llm.generate([[1, 2, 3]], GREEDY)
+        assert result.finish_reason == FinishReason.ERROR and "out of step" in llm.engine.broken
+    finally:
+        llm.shutdown()
+
+
+def test_a_rank_that_died_while_idle_breaks_the_engine_before_a_request_meets_it(tiny_paths):
+    llm = LLM(tiny_paths["llama"], tensor_parallel_size=2, kv_cache_memory=16 << 20)
+    try:
+        llm.engine.check_ranks()
+        assert llm.engine.broken is None
+        rank1 = llm.engine.runner.workers[0]
+        os.kill(rank1.pid, signal.SIGKILL)
+        rank1.wait(10)
+        llm.engine.check_ranks()
+        assert llm.engine.broken is not None and "rank 1" in llm.engine.broken
+    finally:
+        llm.shutdown()
+
+
+def test_the_load_report_counts_every_ranks_kv_bytes(tiny_paths):
+    one = LLM(tiny_paths["llama"], kv_cache_memory=16 << 20)
+    two = LLM(tiny_paths["llama"], tensor_parallel_size=2, kv_cache_memory=16 << 20)
+    try:
+        assert two.engine.kv_bytes_per_token == one.engine.kv_bytes_per_token
+    finally:
+        two.shutdown()
+        one.shutdown()
