@@ -140,25 +140,29 @@ class RankReader:
                 if not (keep_first and remote_rank == 0):   # rank 0's own agent: the worker half's to remove
                     self.agent.remove_remote_agent(name)
 
-    def post(self, key: str, local_block_ids: list[int], remote_block_ids: list[int], notif: str) -> tuple[int, str]:
+    def post(self, key: str, local_block_ids: list[int], remote_block_ids: list[int], notif: str
+             ) -> tuple[int, str, int]:
+        """(read id, state, NIXL descriptors posted)."""
         remote_tp, agents = self.remotes[key]
         plan = read_plan(self.tp_size, self.rank, remote_tp, self.num_kv_heads)
         read = _Read([], plan, list(local_block_ids))
         try:
             if remote_tp == self.tp_size:
                 name, region = agents[plan[0].remote_rank]   # the same heads: straight into the cache
-                read.xfers.append(post_transfer(self.agent, "READ", self.region, region, name,
-                                                coalesce(local_block_ids, remote_block_ids), notif.encode())[0])
+                runs = coalesce(local_block_ids, remote_block_ids)
+                read.xfers.append(post_transfer(self.agent, "READ", self.region, region, name, runs,
+                                                notif.encode())[0])
+                num_descriptors = len(runs)
             else:
-                self._post_staged(read, agents, remote_tp, remote_block_ids)
+                num_descriptors = self._post_staged(read, agents, remote_tp, remote_block_ids)
         except Exception:
             self._let_go(read)
             raise
         read_id = next(self._ids)
         self._reads[read_id] = read
-        return read_id, self._state(read)
+        return read_id, self._state(read), num_descriptors
 
-    def _post_staged(self, read: _Read, agents: dict, remote_tp: int, remote_block_ids: list[int]) -> None:
+    def _post_staged(self, read: _Read, agents: dict, remote_tp: int, remote_block_ids: list[int]) -> int:
         n = len(remote_block_ids)
         layers, _, slots, _, dim = self.kv_cache.shape[1:]
         remote_heads = self.num_kv_heads // remote_tp
@@ -167,10 +171,13 @@ class RankReader:
                                    dtype=self.kv_cache.dtype, device=self.kv_cache.device)
         read.staging_reg = self.agent.register_memory(read.staging)
         staging = region_of(read.staging)
+        num_descriptors = 0
         for j, piece in enumerate(read.plan):
             name, region = agents[piece.remote_rank]
             runs = coalesce(list(range(j * n, (j + 1) * n)), remote_block_ids)
             read.xfers.append(post_transfer(self.agent, "READ", staging, region, name, runs, b"")[0])
+            num_descriptors += len(runs)
+        return num_descriptors
 
     def _state(self, read: _Read) -> str:
         states = [transfer_state(self.agent, x) for x in read.xfers]
@@ -229,8 +236,8 @@ def combine(states: list[str]) -> str:
 class _TPHandle:
     """A load's read id on every rank (rank 0's first); each is let go once."""
 
-    def __init__(self, read_ids: list[int | None]) -> None:
-        self.read_ids = read_ids
+    def __init__(self, read_ids: list[int | None], num_descriptors: int) -> None:
+        self.read_ids, self.num_descriptors = read_ids, num_descriptors
 
 
 class TPNixlConnectorWorker(NixlConnectorWorker):
@@ -292,20 +299,23 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         notif = spec.remote_request_id if remote_tp == self.tp_size else ""
         if remote_tp != self.tp_size:
             self._staged_loads.add(spec.request_id)
-        read_id, state0 = self.local.post(key, spec.local_block_ids, spec.remote_block_ids, notif)
-        handle = _TPHandle([read_id])
+        read_id, state0, num_descriptors = self.local.post(key, spec.local_block_ids, spec.remote_block_ids, notif)
+        handle = _TPHandle([read_id], num_descriptors)
         try:
             posted = self._call("kv_post", [(key, spec.local_block_ids, spec.remote_block_ids, notif)]
                                 * (self.tp_size - 1))
         except Exception:
             self._release(handle)
             raise
-        handle.read_ids += [read_id for read_id, _ in posted]
-        return handle, combine([state0, *(state for _, state in posted)])
+        handle.read_ids += [read_id for read_id, _, _ in posted]
+        handle.num_descriptors += sum(n for _, _, n in posted)
+        return handle, combine([state0, *(state for _, state, _ in posted)])
 
     def _post_read(self, load: Load, remote: RemoteEngine) -> tuple[Any, str, int, int]:
-        handle, state, num_descriptors, num_bytes = super()._post_read(load, remote)
-        return handle, state, num_descriptors * self.tp_size, num_bytes * self.tp_size  # every rank's
+        """The KV handed over (every rank's heads; a wider P's blocks are read in part more than once, which
+        is not counted) and every rank's descriptors."""
+        handle, state, _, num_bytes = super()._post_read(load, remote)
+        return handle, state, handle.num_descriptors, num_bytes * self.tp_size
 
     def _check(self, handle: _TPHandle) -> str:
         states = [self.local.state_of(handle.read_ids[0]) if handle.read_ids[0] is not None else "DONE"]
