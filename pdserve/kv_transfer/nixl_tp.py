@@ -70,7 +70,7 @@ def read_plan(local_tp: int, rank: int, remote_tp: int, num_kv_heads: int) -> li
     if max(local_tp, remote_tp) % min(local_tp, remote_tp):
         raise ValueError(f"tensor parallel sizes {local_tp} (here) and {remote_tp} (remote): one must divide "
                          "the other")
-    if remote_tp < local_tp:   # a remote rank holds k of ours: ours is a part of one of its
+    if remote_tp < local_tp:   # a remote rank holds the heads of k of ours: ours are a part of its
         k = local_tp // remote_tp
         return [ReadPiece(rank // k, (rank % k) * local_heads, 0, local_heads)]
     k = remote_tp // local_tp
@@ -284,7 +284,7 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
                    *(remote.reply.get("tp_ranks") or [])]
         key = f"{remote.engine_id}:{remote.reply.get('boot_id')}"
         self.local.connect(key, entries)
-        # ranks 1..T-1 may need P's rank 0 too (a wider P): they get its metadata
+        # ranks 1..T-1 may need P's rank 0 too (a P of fewer ranks): they get its metadata
         entries[0] = {**entries[0], "metadata": base64.b64encode(remote.blob).decode()}
         self._call("kv_connect", [(key, entries)] * (self.tp_size - 1))
         remote.conn = (remote.conn, key, len(entries))
@@ -312,8 +312,8 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         return handle, combine([state0, *(state for _, state, _ in posted)])
 
     def _post_read(self, load: Load, remote: RemoteEngine) -> tuple[Any, str, int, int]:
-        """The KV handed over (every rank's heads; a wider P's blocks are read in part more than once, which
-        is not counted) and every rank's descriptors."""
+        """The KV handed over (every rank's heads; the blocks of a P of fewer ranks are read more than
+        once, which is not counted) and every rank's descriptors."""
         handle, state, _, num_bytes = super()._post_read(load, remote)
         return handle, state, handle.num_descriptors, num_bytes * self.tp_size
 
