@@ -402,7 +402,7 @@ class AsyncEngine:
                                   "health": health}
         if self.kv_side_channel is not None:  # the push handoff: the router hands P's to D
             report["kv_connector"] = {"name": self.config.kv_transfer.kv_connector, "engine_id": self.engine_id,
-                                      **self.kv_side_channel}
+                                      "tp_size": self.config.parallel.tensor_parallel_size, **self.kv_side_channel}
         report.update((name, self._stats.get(name)) for name in LOAD_REPORT_STATS)
         report["kv_events"] = self._kv_events.report(events_after)
         return report

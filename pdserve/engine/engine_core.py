@@ -386,7 +386,9 @@ class EngineCore:
         return self.scheduler.kv.pool.take_events()
 
     def shutdown(self) -> None:
-        if self.connector_worker is not None:
-            self.connector_worker.shutdown()
-        if isinstance(self.runner, TPExecutor):
-            self.runner.shutdown()
+        try:
+            if self.connector_worker is not None:
+                self.connector_worker.shutdown()
+        finally:   # the ranks go whatever the connector met (a rank lost fails its calls)
+            if isinstance(self.runner, TPExecutor):
+                self.runner.shutdown()

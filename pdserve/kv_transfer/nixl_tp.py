@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,6 +44,9 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import NixlConnectorWorker, nixl_agent, nixl_agent_config, post_transfer, transfer_state
 from pdserve.kv_transfer.pull_worker_common import Load, Peer, Region, RemoteEngine
 from pdserve.kv_transfer.transport_worker import coalesce, region_of
+from pdserve.parallel.group import RankCallError
+
+logger = logging.getLogger(__name__)
 
 NOTIF_TTL_S = 600.0   # P: a request notified by some ranks only (a D rank that died mid-READ) is forgotten
 
@@ -286,8 +290,21 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         self.local.connect(key, entries)
         # ranks 1..T-1 may need P's rank 0 too (a P of fewer ranks): they get its metadata
         entries[0] = {**entries[0], "metadata": base64.b64encode(remote.blob).decode()}
-        self._call("kv_connect", [(key, entries)] * (self.tp_size - 1))
+        try:
+            self._call("kv_connect", [(key, entries)] * (self.tp_size - 1))
+        except Exception:   # undo what the handshake did here and on the ranks that connected
+            self.local.disconnect(key, keep_first=True)
+            self.agent.remove_remote_agent(remote.conn)
+            self._call_quietly("kv_disconnect", [(key, False)] * (self.tp_size - 1))   # (a no-op where not)
+            raise
         remote.conn = (remote.conn, key, len(entries))
+
+    def _call_quietly(self, op: str, per_rank_args: list[tuple]) -> None:
+        """An undo on the ranks: failures are logged, not raised."""
+        try:
+            self._call(op, per_rank_args)
+        except Exception as error:
+            logger.warning("tensor parallel %s: %s: %s", op, type(error).__name__, error)
 
     @property
     def notifies_done(self) -> bool:   # see get_finished: per load
@@ -304,7 +321,10 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         try:
             posted = self._call("kv_post", [(key, spec.local_block_ids, spec.remote_block_ids, notif)]
                                 * (self.tp_size - 1))
-        except Exception:
+        except Exception as error:
+            # the ranks whose READ did post must let it go too, before D's blocks go back to its pool
+            if isinstance(error, RankCallError):
+                handle.read_ids += [r[0] if r is not None else None for r in error.results]
             self._release(handle)
             raise
         handle.read_ids += [read_id for read_id, _, _ in posted]
@@ -333,7 +353,7 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
             handle.read_ids[0] = None
         rest = handle.read_ids[1:]
         if any(r is not None for r in rest):
-            self._call("kv_release", [(r,) for r in rest])
+            self._call("kv_release", [(r,) for r in rest])   # (None: that rank holds nothing)
             handle.read_ids[1:] = [None] * len(rest)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
@@ -388,4 +408,7 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
     def _deregister(self) -> None:
         self.local.deregister()   # its reads; the cache's registration is the worker half's
         super()._deregister()
-        self._call("kv_deregister")
+        try:
+            self._call("kv_deregister")
+        except Exception as error:   # a rank lost: its process ends with the instance anyway
+            logger.warning("tensor parallel kv_deregister: %s: %s", type(error).__name__, error)

@@ -243,11 +243,13 @@ class TransportWorker(KVConnectorWorker):
         self._is_shut_down = True
         # Transfers first, the side channel last: a peer that finds it closed may take this instance for
         # gone (push: a D then gives back blocks a WRITE of ours could still reach).
-        self._shutdown_lifecycle()
-        if self._region is not None:
-            self._deregister()
-            self._region = self._kv_cache = None
-        self._server.close()
+        try:
+            self._shutdown_lifecycle()
+            if self._region is not None:
+                self._deregister()
+                self._region = self._kv_cache = None
+        finally:
+            self._server.close()
 
     def _shutdown_lifecycle(self) -> None:
         pass

@@ -18,6 +18,15 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("PDSERVE_TP_COLLECTIVE_TIMEOUT_S", "120"))
 
 
+class RankCallError(RuntimeError):
+    """A call to ranks 1..T-1 (worker/tp_executor.py's call()) failed on some of them; `results` holds every
+    rank's result (None where it failed), so that the caller can undo what the others did."""
+
+    def __init__(self, message: str, results: list) -> None:
+        super().__init__(message)
+        self.results = results
+
+
 class TPGroup:
     def __init__(self, rank: int = 0, size: int = 1) -> None:
         if not 0 <= rank < size:

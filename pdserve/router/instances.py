@@ -196,6 +196,7 @@ class Instance:
         self.full_until = 0.0               # it answered 503 at capacity: no new hop before then
         self.handoff = "pull"               # "push" | "store": how its connector hands KV over (kept across a
                                             # restart's empty view)
+        self.tp_size = 1                    # its tensor-parallel ranks, as last reported
         # Learned rates; None until measured.
         self._prefill_tokens_per_s: float | None = None
         self._decode_step_s: float | None = None
@@ -265,6 +266,8 @@ class Instance:
         self.report, self.report_time = report, now
         if report.kv_connector is not None:
             self.handoff = handoff_of(report.kv_connector["name"])
+            tp_size = report.kv_connector.get("tp_size", 1)
+            self.tp_size = tp_size if _is_count(tp_size) and tp_size >= 1 else 1
         self.num_reports += 1
         self._generation += 1
         self._blocks_since_report = 0

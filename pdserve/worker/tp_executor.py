@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from pdserve.config import EngineConfig
 from pdserve.model.loader import load_model_config
-from pdserve.parallel.group import COLLECTIVE_TIMEOUT_S, TPGroup, destroy_tp_group
+from pdserve.parallel.group import COLLECTIVE_TIMEOUT_S, RankCallError, TPGroup, destroy_tp_group
 from pdserve.parallel.sharding import check_tp_size
 from pdserve.worker.cpu_threads import set_num_threads
 from pdserve.core.batch import ModelRunnerOutput
@@ -59,12 +59,13 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0     # every rank loaded and ready (weights from disk, a KV cache to touch)
 RENDEZVOUS_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 10.0
-CALL_TIMEOUT_S = 60.0       # a rank's answer to call(): it may first finish the step it is in
+CALL_TIMEOUT_S = COLLECTIVE_TIMEOUT_S   # a rank's answer to call(): it may first finish the step it is in
 PARENT_CHECK_S = 1.0
 
 
 class RankLost(RuntimeError):
     """A rank of the group died or stopped answering: the instance cannot step any more."""
+
 
 
 def split_cores(cores: list[int], size: int) -> list[list[int]]:
@@ -242,7 +243,8 @@ class TPExecutor:
 
     def call(self, op: str, per_rank_args: list[tuple] | None = None) -> list:
         """Run `op` on ranks 1..T-1 (RankCalls), each with its args; their results in rank order. A
-        rank's own failure raises RuntimeError naming it; a rank gone or silent raises RankLost."""
+        rank's own failure raises RankCallError naming it (with the others' results); a rank gone or
+        silent raises RankLost."""
         self._send(None, [("call", op, args) for args in (per_rank_args or [()] * (self.size - 1))])
         results, errors = [], []
         deadline = time.monotonic() + CALL_TIMEOUT_S
@@ -256,9 +258,9 @@ class TPExecutor:
                 raise RankLost(self.lost) from None
             if kind == "error":
                 errors.append(f"rank {rank}: {value}")
-            results.append(value)
+            results.append(value if kind != "error" else None)
         if errors:
-            raise RuntimeError(f"{op} failed on tensor parallel {'; '.join(errors)}")
+            raise RankCallError(f"{op} failed on tensor parallel {'; '.join(errors)}", results)
         return results
 
     def _send(self, message: tuple | None, per_rank: list[tuple] | None = None) -> None:
@@ -283,7 +285,9 @@ class TPExecutor:
             # same inputs) leaves them in step, and fails its requests only.
             reason = self._reason_of_a_failed_rank()
             if reason is None and (isinstance(error, dist.DistError) or _raised_in_torch_distributed(error)):
-                reason = f"a collective failed ({type(error).__name__}: {str(error)[:200]})"
+                # (clients see this reason: the exception's text, with its addresses, goes to the log only)
+                logger.error("tensor parallel collective failed: %s: %s", type(error).__name__, error)
+                reason = f"a collective failed ({type(error).__name__})"
             if reason is not None:
                 self.lost = reason
                 raise RankLost(reason) from error

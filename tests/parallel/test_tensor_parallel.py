@@ -229,3 +229,21 @@ def test_the_load_report_counts_every_ranks_kv_bytes(tiny_paths):
     finally:
         two.shutdown()
         one.shutdown()
+
+
+def test_a_pd_instance_with_a_stopped_rank_shuts_down_and_leaves_no_rank(tiny_paths, monkeypatch):
+    """Before, the connector's shutdown raised RankLost (its call to the stopped rank timed out) and the
+    ranks' own shutdown, which SIGKILLs a rank that does not exit, never ran: the rank stayed, stopped."""
+    import pdserve.worker.tp_executor as executor
+    from pdserve.config import KVTransferConfig
+    monkeypatch.setattr(executor, "CALL_TIMEOUT_S", 3.0)
+    llm = LLM(tiny_paths["llama"], tensor_parallel_size=2, kv_cache_memory=16 << 20,
+              kv_transfer_config=KVTransferConfig(kv_connector="nixl", kv_role="consumer", engine_id="tp-d"))
+    rank1 = llm.engine.runner.workers[0]
+    try:
+        os.kill(rank1.pid, signal.SIGSTOP)
+        llm.shutdown()
+        assert rank1.wait(15) is not None
+    finally:
+        if rank1.poll() is None:
+            os.kill(rank1.pid, signal.SIGKILL)

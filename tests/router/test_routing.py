@@ -542,6 +542,18 @@ def test_startup_refuses_store_and_pull_instances_together(harness):
         harness.proxy([p], [d], startup_timeout=2)
 
 
+def test_startup_refuses_tensor_parallel_sizes_that_cannot_pair(harness):
+    """Before, a P of 2 ranks and a D of 3 started, and every request was prefilled, then refused at the
+    handshake (review, 2026-12-04)."""
+    p, d, d2 = harness.backend("prefill"), harness.backend("decode"), harness.backend("decode")
+    for backend, name, tp, port in ((p, "p", 2, 7051), (d, "d", 3, 7052), (d2, "d2", 1, 7053)):
+        backend.load["kv_connector"] = {"name": "nixl", "engine_id": name, "host": "127.0.0.1", "port": port,
+                                        "boot_id": "b", "tp_size": tp}
+    with pytest.raises(StartupError, match=r"\(--prefill\) has 2 tensor-parallel ranks and .* \(--decode\) 3"):
+        harness.proxy([p], [d, d2], startup_timeout=2)
+    harness.proxy([p], [d2], startup_timeout=2)   # 2 and 1 pair
+
+
 def wait_for(predicate, timeout: float = 3.0) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():

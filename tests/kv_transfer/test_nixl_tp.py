@@ -1,0 +1,65 @@
+"""The tensor-parallel worker half's fan-out (kv_transfer/nixl_tp.py) against fake ranks: what one rank
+did is undone when another fails."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve.kv_transfer.nixl_tp import TPNixlConnectorWorker, _TPHandle
+from pdserve.parallel.group import RankCallError
+
+
+class FakeRanks:
+    """Ranks 1 and 2: rank 1's post fails, rank 2's succeeds (read id 7)."""
+    size = 3
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def call(self, op, per_rank_args=None):
+        self.calls.append((op, per_rank_args))
+        if op == "kv_post":
+            raise RankCallError("kv_post failed on tensor parallel rank 1: boom", [None, (7, "PROC", 1)])
+        return [None, None]
+
+
+class FakeLocal:
+    def __init__(self) -> None:
+        self.released = []
+
+    def post(self, key, local_ids, remote_ids, notif):
+        return 3, "PROC", 1
+
+    def release(self, read_id):
+        self.released.append(read_id)
+
+
+def bare_worker(ranks) -> TPNixlConnectorWorker:
+    """The worker half's fan-out alone (no agent, no side channel)."""
+    worker = TPNixlConnectorWorker.__new__(TPNixlConnectorWorker)
+    worker.ranks, worker.tp_size, worker.local, worker._staged_loads = ranks, ranks.size, FakeLocal(), set()
+    return worker
+
+
+def test_a_post_that_fails_on_one_rank_lets_go_of_the_reads_the_others_posted():
+    """Before, rank 2's READ stayed in flight (and its handle for good) while D gave the blocks back."""
+    ranks = FakeRanks()
+    worker = bare_worker(ranks)
+    load = SimpleNamespace(spec=SimpleNamespace(request_id="r", remote_request_id="p-r", local_block_ids=[1, 2],
+                                                remote_block_ids=[5, 6]))
+    remote = SimpleNamespace(conn=("agent", "P:boot", 3))
+    with pytest.raises(RankCallError):
+        worker._post(load, remote, [(1, 5, 2)])
+    assert worker.local.released == [3]
+    assert ("kv_release", [(None,), (7,)]) in ranks.calls
+
+
+def test_a_released_handle_is_not_released_twice():
+    ranks = FakeRanks()
+    worker = bare_worker(ranks)
+    handle = _TPHandle([3, 4, 5], 3)
+    worker._release(handle)
+    worker._release(handle)
+    assert worker.local.released == [3] and [c for c in ranks.calls if c[0] == "kv_release"] == [
+        ("kv_release", [(4,), (5,)])]
