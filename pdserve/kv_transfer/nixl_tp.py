@@ -306,10 +306,6 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         except Exception as error:
             logger.warning("tensor parallel %s: %s: %s", op, type(error).__name__, error)
 
-    @property
-    def notifies_done(self) -> bool:   # see get_finished: per load
-        return False
-
     def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
         _, key, remote_tp = remote.conn
         spec = load.spec
@@ -321,10 +317,13 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         try:
             posted = self._call("kv_post", [(key, spec.local_block_ids, spec.remote_block_ids, notif)]
                                 * (self.tp_size - 1))
-        except Exception as error:
-            # the ranks whose READ did post must let it go too, before D's blocks go back to its pool
-            if isinstance(error, RankCallError):
-                handle.read_ids += [r[0] if r is not None else None for r in error.results]
+        except RankCallError as error:
+            # Some ranks posted: the load fails through the lifecycle's ERR path, which lets every posted
+            # READ go before D's blocks go back to its pool (or quarantines them while one cannot be aborted).
+            logger.warning("request %s: %s", spec.request_id, error)
+            handle.read_ids += [r[0] if r is not None else None for r in error.results]
+            return handle, "ERR"
+        except Exception:
             self._release(handle)
             raise
         handle.read_ids += [read_id for read_id, _, _ in posted]

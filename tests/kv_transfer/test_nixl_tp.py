@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
 from pdserve.kv_transfer.nixl_tp import TPNixlConnectorWorker, _TPHandle
 from pdserve.parallel.group import RankCallError
 
@@ -42,15 +40,17 @@ def bare_worker(ranks) -> TPNixlConnectorWorker:
     return worker
 
 
-def test_a_post_that_fails_on_one_rank_lets_go_of_the_reads_the_others_posted():
-    """Before, rank 2's READ stayed in flight (and its handle for good) while D gave the blocks back."""
+def test_a_post_that_fails_on_one_rank_fails_the_load_with_the_others_reads_to_let_go():
+    """Before, rank 2's READ stayed in flight (and its handle for good) while D gave the blocks back. Now
+    the load ends through the lifecycle's ERR path, whose release lets go of every rank's READ."""
     ranks = FakeRanks()
     worker = bare_worker(ranks)
     load = SimpleNamespace(spec=SimpleNamespace(request_id="r", remote_request_id="p-r", local_block_ids=[1, 2],
                                                 remote_block_ids=[5, 6]))
     remote = SimpleNamespace(conn=("agent", "P:boot", 3))
-    with pytest.raises(RankCallError):
-        worker._post(load, remote, [(1, 5, 2)])
+    handle, state = worker._post(load, remote, [(1, 5, 2)])
+    assert state == "ERR" and handle.read_ids == [3, None, 7]
+    worker._release(handle)   # what the lifecycle does with an ERR
     assert worker.local.released == [3]
     assert ("kv_release", [(None,), (7,)]) in ranks.calls
 
