@@ -145,6 +145,10 @@ class TPExecutor:
         except BaseException as error:
             # A ValueError is the config's (every rank meets it alike): it says best what is wrong.
             reason = None if isinstance(error, ValueError) else self._reason_of_a_failed_rank()
+            if reason is None and not isinstance(error, ValueError) and self.workers:
+                # e.g. the rendezvous timed out: say which ranks were still starting
+                reason = (f"{type(error).__name__} with every rank still running (pids "
+                          f"{', '.join(str(p.pid) for p in self.workers)}; a slow start or a hung rank)")
             self.shutdown()
             if reason is not None:
                 raise RuntimeError(f"tensor parallel start-up failed: {reason}") from error

@@ -247,3 +247,15 @@ def test_a_pd_instance_with_a_stopped_rank_shuts_down_and_leaves_no_rank(tiny_pa
     finally:
         if rank1.poll() is None:
             os.kill(rank1.pid, signal.SIGKILL)
+
+
+def test_a_start_up_that_times_out_says_the_ranks_were_still_running(tiny_paths, monkeypatch):
+    """Seen once on a loaded machine: the rendezvous timed out and the error named no rank."""
+    import pdserve.worker.tp_executor as executor
+
+    def stuck_join(rank, size, store, device):
+        raise TimeoutError("wait timeout after 120000ms")
+    monkeypatch.setattr(executor, "_join_group", stuck_join)
+    with pytest.raises(RuntimeError, match=r"tensor parallel start-up failed: TimeoutError with every rank "
+                                           r"still running \(pids \d+"):
+        LLM(tiny_paths["llama"], tensor_parallel_size=2, kv_cache_memory=16 << 20)
