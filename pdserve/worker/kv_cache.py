@@ -14,6 +14,7 @@ import torch
 from pdserve.config import CacheConfig
 from pdserve.model.loader import ModelInfo
 from pdserve.parallel.group import SINGLE, TPGroup
+from pdserve.worker.cpu_memory import advise_huge_pages
 
 # On CPU without kv_cache_memory: 2 GiB, or an eighth of the memory available at start where that is less.
 # 1 GiB was too little for the default model's 64 concurrent 384-token sequences (1.13 GB of KV): the
@@ -88,5 +89,7 @@ def allocate_kv_cache(info: ModelInfo, cache: CacheConfig, dtype: torch.dtype,
                 f"kv_cache_memory (bytes)")
         raise ValueError(f"kv_cache_memory: too small for one block of {per_block} bytes")
     # [blocks, layers, k/v, slots, heads, dim]
-    return torch.zeros(num_blocks, info.num_layers, 2, cache.block_size, info.num_kv_heads // tp.size,
-                       info.head_dim, dtype=dtype, device=device)
+    kv_cache = torch.empty(num_blocks, info.num_layers, 2, cache.block_size, info.num_kv_heads // tp.size,
+                           info.head_dim, dtype=dtype, device=device)
+    advise_huge_pages(kv_cache)   # before the zeros below touch its pages (CPU only)
+    return kv_cache.zero_()

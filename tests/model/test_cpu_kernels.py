@@ -42,6 +42,16 @@ def test_the_kernel_matches_torch(num_heads, num_kv_heads):
     torch.testing.assert_close(out, torch_decode(q, kv_layer, table, lens, 0.125), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size, head_dim", [(1, 64), (5, 16), (8, 32), (12, 128), (32, 64)])
+def test_eight_keys_at_a_time_cross_blocks_of_any_size(block_size, head_dim):
+    """The kernel scores keys eight at a time, and eight keys may straddle blocks of any size."""
+    q, kv_layer, table, lens = paged_case([1, 7, 8, 9, 23, 64, 101], 8, 2, head_dim=head_dim,
+                                          block_size=block_size)
+    out = torch.full_like(q, float("nan"))
+    assert cpu_kernels.decode_attention(q, kv_layer, table, lens, 0.125, out)
+    torch.testing.assert_close(out, torch_decode(q, kv_layer, table, lens, 0.125), atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("scale", [4.0, 12.0])
 def test_softmax_over_a_wide_range_of_scores(scale):
     """The kernel's own vector exp: scores spanning hundreds (most weights underflow past e^-87, a few

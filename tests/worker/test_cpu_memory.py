@@ -43,3 +43,38 @@ def test_it_is_set_once_and_can_be_switched_off(monkeypatch):
     monkeypatch.setattr(cpu_memory, "ENABLED", False)
     monkeypatch.setattr(cpu_memory, "_done", False)
     assert cpu_memory.keep_freed_memory() is False
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def test_the_cpu_kv_cache_asks_for_huge_pages(monkeypatch):
+    """The CPU KV cache is advised onto 2 MiB pages before it is zeroed (where the kernel's transparent
+    huge pages are not "never"), and PDSERVE_CPU_HUGE_PAGES=0 leaves it on 4 KiB pages."""
+    import pytest
+    import torch
+
+    from pdserve.config import CacheConfig
+    from pdserve.model.loader import ModelInfo
+    from pdserve.worker.kv_cache import allocate_kv_cache
+
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this kernel")
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off on this machine")
+    info = ModelInfo(architecture="llama", num_layers=4, hidden_size=128, num_heads=2, num_kv_heads=2, head_dim=64,
+                     vocab_size=256, max_model_len=128, eos_token_ids=(0,), identity="test", num_params=0)
+    cache = CacheConfig(block_size=16, kv_cache_memory=64 << 20)
+    before = _anon_huge_kib()
+    kv = allocate_kv_cache(info, cache, torch.float32, torch.device("cpu"))
+    assert _anon_huge_kib() - before >= 32 << 10   # most of the 64 MiB
+    assert kv.abs().sum().item() == 0.0
+    del kv
+    monkeypatch.setattr(cpu_memory, "HUGE_PAGES_ENABLED", False)
+    before = _anon_huge_kib()
+    kv = allocate_kv_cache(info, cache, torch.float32, torch.device("cpu"))
+    assert _anon_huge_kib() - before < 4 << 10

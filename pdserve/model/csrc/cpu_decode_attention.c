@@ -24,61 +24,95 @@
 
 #include "vec8.h"
 
+/* The next block's rows of one head, asked for while this block is computed: blocks lie anywhere in
+ * the cache, so the hardware prefetcher, which follows streams within a page, starts each block cold. */
+static inline void prefetch_head(const float *row, int block_size, int64_t slot_stride, int head_dim) {
+    for (int s = 0; s < block_size; s++, row += slot_stride)
+        for (int d = 0; d < head_dim; d += 16) __builtin_prefetch(row + d, 0, 3);
+}
+
 /* One (sequence, KV head) task for head_dim = 8 * CHUNKS: its group of query heads against every key,
- * softmax, then the weighted values; keys and values read once, in place. */
+ * softmax, then the weighted values; keys and values read once, in place, block by block.
+ * Scores are made eight keys at a time: each key's products stay in eight lanes, and one transposing
+ * sum turns the eight keys' lanes into their eight scores (a horizontal sum per key cost more than its
+ * products). */
 #define DEFINE_TASK(CHUNKS)                                                                              \
 static void task_##CHUNKS(const float *q, const float *kv, const int32_t *block_table, int32_t seq_len,  \
                           int64_t block_stride, int64_t kv_stride, int block_size, int64_t slot_stride,   \
                           int kv_head, int group, float scale, float *scores, float *out) {              \
     const int head_dim = 8 * (CHUNKS);                                                                   \
-    float maxes[MAX_GROUP], sums[MAX_GROUP];                                                             \
-    for (int g = 0; g < group; g++) { maxes[g] = -INFINITY; sums[g] = 0.0f; }                            \
-    for (int32_t t = 0; t < seq_len; t++) {                                                              \
-        const float *k = kv + (int64_t)block_table[t / block_size] * block_stride                        \
-                         + (int64_t)(t % block_size) * slot_stride + (int64_t)kv_head * head_dim;        \
-        v8 kc[CHUNKS];                                                                                   \
-        for (int c = 0; c < (CHUNKS); c++) kc[c] = load8(k + 8 * c);                                     \
+    const int32_t num_blocks = (seq_len + block_size - 1) / block_size;                                  \
+    const float *keys = kv + (int64_t)kv_head * head_dim;                                                \
+    const v8 scale8 = {scale, scale, scale, scale, scale, scale, scale, scale};                          \
+    int32_t b = 0, slot = 0;                                                                             \
+    const float *k = keys + (int64_t)block_table[0] * block_stride;                                      \
+    if (num_blocks > 1) prefetch_head(keys + (int64_t)block_table[1] * block_stride, block_size,         \
+                                      slot_stride, head_dim);                                            \
+    for (int32_t t = 0; t < seq_len; t += 8) {                                                           \
+        const int n = seq_len - t < 8 ? seq_len - t : 8;                                                 \
+        const float *rows[8];                                                                            \
+        for (int i = 0; i < n; i++) {                                                                    \
+            rows[i] = k;                                                                                 \
+            k += slot_stride;                                                                            \
+            if (++slot == block_size && ++b < num_blocks) {                                              \
+                slot = 0;                                                                                \
+                k = keys + (int64_t)block_table[b] * block_stride;                                       \
+                if (b + 1 < num_blocks) prefetch_head(keys + (int64_t)block_table[b + 1] * block_stride,  \
+                                                      block_size, slot_stride, head_dim);                \
+            }                                                                                            \
+        }                                                                                                \
+        for (int i = n; i < 8; i++) rows[i] = rows[0];                                                   \
         for (int g = 0; g < group; g++) {                                                                \
             const float *qg = q + (int64_t)g * head_dim;                                                 \
-            v8 even = {0}, odd = {0};                                                                    \
-            for (int c = 0; c + 1 < (CHUNKS); c += 2) {                                                  \
-                even += load8(qg + 8 * c) * kc[c];                                                       \
-                odd += load8(qg + 8 * c + 8) * kc[c + 1];                                                \
+            v8 part[8];                                                                                  \
+            for (int i = 0; i < 8; i++) {                                                                \
+                v8 even = load8(qg) * load8(rows[i]), odd = load8(qg + 8) * load8(rows[i] + 8);          \
+                for (int c = 2; c + 1 < (CHUNKS); c += 2) {                                              \
+                    even = fma8(load8(qg + 8 * c), load8(rows[i] + 8 * c), even);                        \
+                    odd = fma8(load8(qg + 8 * c + 8), load8(rows[i] + 8 * c + 8), odd);                  \
+                }                                                                                        \
+                part[i] = even + odd;                                                                    \
             }                                                                                            \
-            if ((CHUNKS) % 2) even += load8(qg + 8 * ((CHUNKS) - 1)) * kc[(CHUNKS) - 1];                 \
-            float score = sum8(even + odd) * scale;                                                      \
-            scores[(int64_t)g * seq_len + t] = score;                                                      \
-            if (score > maxes[g]) maxes[g] = score;                                                      \
+            const v8 s = sum8x8(part) * scale8;                                                          \
+            float *row = scores + (int64_t)g * seq_len + t;                                              \
+            if (n == 8) store8(row, s);                                                                  \
+            else memcpy(row, &s, sizeof(float) * n);                                                     \
         }                                                                                                \
     }                                                                                                    \
     for (int g = 0; g < group; g++) {                                                                    \
         float *row = scores + (int64_t)g * seq_len;                                                      \
-        const v8 max = {maxes[g], maxes[g], maxes[g], maxes[g], maxes[g], maxes[g], maxes[g], maxes[g]};  \
+        float max = row[0];                                                                              \
+        for (int32_t t = 1; t < seq_len; t++) max = row[t] > max ? row[t] : max;                         \
+        const v8 max8 = {max, max, max, max, max, max, max, max};                                        \
         v8 total = {0};                                                                                  \
         int32_t t = 0;                                                                                   \
         for (; t + 8 <= seq_len; t += 8) {                                                               \
-            const v8 p = exp8(load8(row + t) - max);                                                     \
+            const v8 p = exp8(load8(row + t) - max8);                                                    \
             store8(row + t, p);                                                                          \
             total += p;                                                                                  \
         }                                                                                                \
         float tail[8] = {0};                                                                             \
         const int32_t rest = seq_len - t;                                                                \
         memcpy(tail, row + t, sizeof(float) * rest);                                                     \
-        const v8 p = exp8(load8(tail) - max);                                                            \
+        const v8 p = exp8(load8(tail) - max8);                                                           \
         memcpy(row + t, &p, sizeof(float) * rest);                                                       \
-        sums[g] = sum8(total);                                                                           \
-        for (int32_t i = 0; i < rest; i++) sums[g] += p[i];                                              \
-    }                                                                                                    \
-    for (int g = 0; g < group; g++) {                                                                    \
+        float sum = sum8(total);                                                                         \
+        for (int32_t i = 0; i < rest; i++) sum += p[i];                                                  \
         v8 acc[CHUNKS];                                                                                  \
         for (int c = 0; c < (CHUNKS); c++) acc[c] = (v8){0};                                             \
-        for (int32_t t = 0; t < seq_len; t++) {                                                          \
-            const float *v = kv + (int64_t)block_table[t / block_size] * block_stride + kv_stride        \
-                             + (int64_t)(t % block_size) * slot_stride + (int64_t)kv_head * head_dim;    \
-            const float p = scores[(int64_t)g * seq_len + t];                                              \
-            for (int c = 0; c < (CHUNKS); c++) acc[c] += p * load8(v + 8 * c);                           \
+        for (int32_t bb = 0, tt = 0; bb < num_blocks; bb++) {                                            \
+            const float *v = kv + (int64_t)block_table[bb] * block_stride + kv_stride                    \
+                             + (int64_t)kv_head * head_dim;                                              \
+            const int32_t end = tt + block_size < seq_len ? tt + block_size : seq_len;                   \
+            if (g == 0 && bb + 1 < num_blocks)                                                           \
+                prefetch_head(kv + (int64_t)block_table[bb + 1] * block_stride + kv_stride               \
+                              + (int64_t)kv_head * head_dim, block_size, slot_stride, head_dim);          \
+            for (; tt < end; tt++, v += slot_stride) {                                                   \
+                const v8 pt = {row[tt], row[tt], row[tt], row[tt], row[tt], row[tt], row[tt], row[tt]};  \
+                for (int c = 0; c < (CHUNKS); c++) acc[c] = fma8(pt, load8(v + 8 * c), acc[c]);           \
+            }                                                                                            \
         }                                                                                                \
-        const float inv = 1.0f / sums[g];                                                                \
+        const float inv = 1.0f / sum;                                                                    \
         for (int c = 0; c < (CHUNKS); c++) store8(out + (int64_t)g * head_dim + 8 * c, acc[c] * inv);    \
     }                                                                                                    \
 }

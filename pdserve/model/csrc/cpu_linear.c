@@ -15,14 +15,6 @@
  */
 #include "vec8.h"
 
-#if defined(__FMA__)
-#include <immintrin.h>
-/* Spelled out rather than left to the compiler's contraction, so every copy of a tile rounds the same. */
-static inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-#else
-static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
-#endif
-
 #define NR 16
 #define MR 6
 /* Bytes of x rows and of W panels that one task works on, sized for a core's L2 (512 KiB on the EPYC,

@@ -23,6 +23,28 @@ static inline float sum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+/* The eight sums of eight vectors: out[i] = the sum of a[i]'s lanes, in pairs, then fours, then halves. */
+static inline v8 sum8x8(const v8 a[8]) {
+    typedef int32_t idx8 __attribute__((vector_size(32)));
+    const idx8 evens = {0, 2, 8, 10, 4, 6, 12, 14}, odds = {1, 3, 9, 11, 5, 7, 13, 15};
+    v8 pairs[4], fours[2];
+    for (int i = 0; i < 4; i++)
+        pairs[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], evens) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odds);
+    for (int i = 0; i < 2; i++)
+        fours[i] = __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], evens)
+                   + __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], odds);
+    const idx8 low = {0, 1, 2, 3, 8, 9, 10, 11}, high = {4, 5, 6, 7, 12, 13, 14, 15};
+    return __builtin_shuffle(fours[0], fours[1], low) + __builtin_shuffle(fours[0], fours[1], high);
+}
+
+#if defined(__FMA__)
+#include <immintrin.h>
+/* Spelled out rather than left to the compiler's contraction, so every copy of a loop rounds the same. */
+static inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
+#endif
+
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 /* e^x, eight at a time. glibc's expf is scalar unless -ffast-math, which we do not use, so as not to
