@@ -1,7 +1,7 @@
 """A/B of one CPU fast path inside one engine, alternating step by step so that the noisy shared machine
 affects both sides alike.
 
-    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear|packed|gemm|fused [--threads 2] [--batch 64]
+    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear|packed|gemm|fused|rope [--threads 2] [--batch 64]
         [--prompt-len 256] [--steps 12] [--prefill] [--out F.json]
 
   attention  the C decode attention kernel (model/cpu_kernels.py) against plain torch (BACKEND reference)
@@ -9,6 +9,7 @@ affects both sides alike.
   packed     the packed GEMM (layers.CPU_PACKED_LINEAR: MKL on Intel, oneDNN elsewhere) against the oneDNN/ATen rule
   gemm       pdserve's own packed GEMM (model/csrc/cpu_linear.c) against oneDNN's packed weights
   fused      RMSNorm and SwiGLU as C kernels (model/csrc/cpu_norm.c) against eager torch (layers.CPU_FUSED_OPS)
+  rope       rotary + KV cache write as one C kernel (model/csrc/cpu_rope.c) against apply_rotary + write_kv
 
 Prefills `batch` random prompts, then times pure-decode steps (schedule + execute + update) with the
 path on and off in turn (ABBA order), and one decode step of a single sequence the same way (the
@@ -52,10 +53,17 @@ def set_attention(on: bool) -> None:
     attention.BACKEND = "auto" if on else "reference"
 
 
+_rope_write_kv = cpu_kernels.rope_write_kv
+
+
+def set_rope(on: bool) -> None:
+    cpu_kernels.rope_write_kv = _rope_write_kv if on else (lambda *args: False)
+
+
 SWITCHES = {"linear": (set_linear, "onednn", "aten"), "packed": (set_packed, "packed", "onednn_aten"),
             "gemm": (set_gemm, "pdserve_gemm", "onednn_packed"),
             "fused": (set_fused, "c_kernels", "eager"),
-            "attention": (set_attention, "kernel", "torch")}
+            "attention": (set_attention, "kernel", "torch"), "rope": (set_rope, "c_rope", "torch_rope")}
 
 
 def run_prefill(switch: str, prompt_len: int, steps: int, threads: int) -> dict:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import cpu_kernels, triton_attention
+from pdserve.model import cpu_kernels, layers, triton_attention
 from pdserve.model.host_copy import to_device
 from pdserve.model.layers import apply_rotary
 
@@ -96,6 +96,9 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     """
     if use_triton(q):
         triton_attention.rope_write_kv_triton(q, k, v, cos, sin, kv_layer, slot_mapping, block_size)
+        return q
+    if (BACKEND != "reference" and not q.is_cuda and layers.CPU_FUSED_OPS
+            and cpu_kernels.rope_write_kv(q, k, v, cos, sin, kv_layer, slot_mapping)):
         return q
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     write_kv(kv_layer, k, v, slot_mapping, block_size)

@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("cpu_decode_attention.c", "cpu_linear.c", "cpu_norm.c")]
+SOURCES = [CSRC / name for name in ("cpu_decode_attention.c", "cpu_linear.c", "cpu_norm.c", "cpu_rope.c")]
 HEADERS = [CSRC / "vec8.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 ENABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"
@@ -115,6 +115,9 @@ def _build_and_open() -> ctypes.CDLL | None:
     lib.pdserve_linear.restype = None
     lib.pdserve_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.pdserve_rope_write_kv.restype = ctypes.c_int
+    lib.pdserve_rope_write_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [
+        ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_int64]
     return lib
 
 
@@ -234,3 +237,28 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, width // 2, dtype=torch.float32, device="cpu")
     _library().pdserve_silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
     return out
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """attention.rope_and_write_kv on CPU float32: q rotated in place, the rotated k and v written into
+    their slots of kv_layer. False (nothing written) when the kernels are unavailable or the layout is
+    not one the kernel reads (the caller then runs torch).
+
+    q [T, heads, dim], k and v [T, kv_heads, dim]: rows of any stride, heads and dims dense (views of the
+    fused qkv output); cos, sin [T, 1, dim / 2]; kv_layer [blocks, 2, slots, kv_heads, dim], slots dense."""
+    lib = _load()
+    tensors = (q, k, v, cos, sin, kv_layer)
+    if lib is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return False
+    rows, heads, dim = q.shape
+    num_blocks, _, block_size, kv_heads, _ = kv_layer.shape
+    if (any(t.stride()[1:] != (t.shape[2], 1) for t in (q, k, v)) or tuple(k.shape) != (rows, kv_heads, dim)
+            or k.shape != v.shape or kv_layer.stride()[2:] != (kv_heads * dim, dim, 1) or slot_mapping.numel() != rows):
+        return False
+    cos, sin = cos.reshape(rows, dim // 2).contiguous(), sin.reshape(rows, dim // 2).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    return lib.pdserve_rope_write_kv(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
+        sin.data_ptr(), kv_layer.data_ptr(), kv_layer.stride(0), kv_layer.stride(1), slots.data_ptr(), rows,
+        heads, kv_heads, dim, block_size, num_blocks) == 0

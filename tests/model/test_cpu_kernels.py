@@ -129,3 +129,37 @@ def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     assert cpu_kernels.available()
     assert list(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("rows, heads, kv_heads, head_dim, block_size", [(1, 9, 3, 64, 16), (37, 9, 3, 64, 16),
+                                                                          (70, 8, 2, 128, 5), (3, 4, 4, 16, 1)])
+def test_rope_and_kv_write_equal_torch_bit_for_bit(rows, heads, kv_heads, head_dim, block_size):
+    """The fused rotary + cache write (cpu_rope.c) against apply_rotary and write_kv: the same numbers to
+    the bit, q rotated in place in its strided view of the fused qkv rows, nothing else in the cache
+    touched. Above 32 rows it runs on the OpenMP threads."""
+    from pdserve.model.attention import write_kv
+    from pdserve.model.layers import apply_rotary
+
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(rows, -1, head_dim) for t in (q, k, v))
+    num_blocks = -(-rows // block_size) + 4
+    kv = torch.randn(num_blocks, 3, 2, block_size, kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
+    freqs = torch.rand(rows, head_dim // 2, generator=gen) * 100
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    want_q, want_kv = apply_rotary(q, cos, sin), kv.clone()
+    write_kv(want_kv[:, 1], apply_rotary(k, cos, sin), v, slots, block_size)
+    assert cpu_kernels.rope_write_kv(q, k, v, cos, sin, kv[:, 1], slots)
+    assert torch.equal(q, want_q) and torch.equal(kv, want_kv)
+
+
+def test_rope_and_kv_write_refuse_a_slot_outside_the_cache():
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    kv = torch.zeros(3, 2, 2, 4, 2, 16)
+    cos = sin = torch.ones(2, 1, 8)
+    before = q.clone()
+    for bad in (12, -1):
+        assert not cpu_kernels.rope_write_kv(q, k, v, cos, sin, kv[:, 0], torch.tensor([0, bad]))
+        assert torch.equal(q, before) and not kv.any()
