@@ -1,0 +1,124 @@
+"""Engine step times on one GPU over a grid of batch shapes: the profile `pdserve plan` simulates with.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_step_profile.py --out-dir $OUT [--quick]
+
+Llama-3.1-8B shape, bf16, dummy weights, the engine as `pdserve serve` runs it (async scheduling, CUDA
+graphs, a 9,216-token budget, up to 512 sequences: the configuration of the issue 5 comparison). Three
+kinds of step, each timed as the wall time of EngineCore.step() calls between two device syncs (decode
+steps with async scheduling, as served; a step with a prefill synchronously, so that the one timed step
+is the one that holds the prompt):
+  prefill  one fresh prompt of P tokens, alone in its step (P = 256 .. 8,192)
+  decode   B sequences of about C tokens each, every one decoding (B x C up to ~600 K tokens of KV)
+  mixed    B decoding sequences of about C tokens plus one fresh prompt of P tokens in the same step
+Writes gpu-step-profile-<date>.json: every point (its prefill tokens, the prefill's attention work
+sum(chunk x context), decode batch, the decodes' summed context, step seconds), and the fit of
+pdserve/planner/profile.py over them.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_bench import MODEL, machine, today, write_json
+from pdserve.engine.llm import LLM
+from pdserve.planner.profile import StepPoint, fit_step_model
+from pdserve.sampling_params import SamplingParams
+
+
+def prompt(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(1000, 100000) for _ in range(n)]
+
+
+def sync_steps(engine, steps: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def drain(engine, ids: list[str]) -> None:
+    engine.abort(ids)
+    while engine.has_work():
+        engine.step()
+
+
+def prefill_point(engine, length: int, rng: random.Random, tag: str) -> StepPoint:
+    engine.async_scheduling = False
+    times = []
+    for i in range(3):
+        rid = f"{tag}-p{length}-{i}"
+        engine.add_request(rid, prompt(length, rng), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        times.append(sync_steps(engine, 1))
+        while engine.has_work():
+            engine.step()
+    engine.async_scheduling = True
+    return StepPoint(prefill_tokens=length, prefill_attention=length * (length + 1) // 2, decode_batch=0,
+                     decode_context=0, seconds=sorted(times)[1])
+
+
+def decoding(engine, batch: int, context: int, rng: random.Random, tag: str) -> tuple[list[str], list]:
+    ids = [f"{tag}-d{batch}x{context}-{i}" for i in range(batch)]
+    params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    for rid in ids:
+        engine.add_request(rid, prompt(context, rng), params)
+    requests = [engine.scheduler.requests[rid] for rid in ids]
+    while any(r.num_output_tokens < 2 for r in requests):
+        engine.step()
+    return ids, requests
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--quick", action="store_true", help="a few points only (a smoke run)")
+    args = p.parse_args()
+    llm = LLM(MODEL, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=512,
+              max_num_batched_tokens=9216, max_model_len=9216, enable_prefix_caching=False)
+    engine = llm.engine
+    rng = random.Random(0)
+    points: list[StepPoint] = []
+    prefills = (512, 2048) if args.quick else (256, 512, 1024, 2048, 4096, 6144, 8192)
+    for length in prefills:
+        points.append(prefill_point(engine, length, rng, "warm" if length == prefills[0] else "pre"))
+        print("prefill", points[-1], flush=True)
+    points = points[1:] + [prefill_point(engine, prefills[0], rng, "pre")]   # the first ran cold
+    grid = [(1, 2048), (64, 2048)] if args.quick else [
+        (1, 512), (1, 2048), (1, 8192), (16, 512), (16, 2048), (16, 8192), (64, 512), (64, 2048), (64, 8192),
+        (128, 1024), (128, 4096), (256, 512), (256, 2048), (512, 512), (512, 1024)]
+    for batch, context in grid:
+        ids, requests = decoding(engine, batch, context, rng, "grid")
+        sync_steps(engine, 3)
+        ctx = sum(r.num_tokens for r in requests)
+        seconds = sync_steps(engine, 10)
+        points.append(StepPoint(0, 0, batch, ctx + 5 * batch, seconds))
+        print("decode", points[-1], flush=True)
+        for length in ((2048,) if args.quick else (512, 2048, 8192)):
+            if (batch * context > 300_000 and length > 2048) or batch >= 512:   # 512: no room for one more
+                continue
+            rid = f"mix-{batch}x{context}-{length}"
+            engine.async_scheduling = False
+            sync_steps(engine, 1)   # the step in flight lands
+            ctx = sum(r.num_tokens for r in requests)
+            engine.add_request(rid, prompt(length, rng), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            seconds = sync_steps(engine, 1)
+            engine.async_scheduling = True
+            points.append(StepPoint(length, length * (length + 1) // 2, batch, ctx, seconds))
+            print("mixed", points[-1], flush=True)
+            sync_steps(engine, 2)
+        drain(engine, ids)
+    model = fit_step_model(points)
+    print("fit:", model, flush=True)
+    write_json(args.out_dir, f"gpu-step-profile-{today()}.json", {
+        "date": today(), "machine": machine(), "model": MODEL + " (dummy weights), bf16",
+        "engine": "max_num_seqs 512, max_num_batched_tokens 9216, async scheduling, CUDA graphs",
+        "points": [pt.as_dict() for pt in points], "fit": model.as_dict()})
+
+
+if __name__ == "__main__":
+    main()
