@@ -23,6 +23,7 @@ DESCRIPTION = """pdserve: an LLM server with prefill/decode disaggregation and a
   pdserve status [URL]        print a router's instances, their health and load
   pdserve kv-store            a KV block pool the instances share (--kv-connector store)
   pdserve bench serve|sweep   measure any OpenAI-compatible endpoint
+  pdserve plan                size a cluster for a workload, rate and SLO by simulation (docs/planner.md)
 """
 
 
@@ -210,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the router's client key, if it has one (default: ${API_KEY_ENV})")
     status.add_argument("--json", action="store_true", help="print the JSON as it came")
     status.set_defaults(func=status_main)
+
+    from pdserve.planner.plan import DESCRIPTION as PLAN_DESCRIPTION, add_arguments as add_plan_arguments, plan_main
+    plan = sub.add_parser("plan", help="size a P/D cluster for a workload, rate and SLO by simulation",
+                          description=PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_arguments(plan)
+    plan.set_defaults(func=plan_main)
 
     from pdserve.bench.cli import add_bench_subparsers
     add_bench_subparsers(sub)

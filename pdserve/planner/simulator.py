@@ -154,7 +154,8 @@ class Result:
 
 class _Instance:
     __slots__ = ("index", "role", "spec", "waiting", "incoming", "prefill_left", "admitted", "n_dec", "ctx_sum",
-                 "finishing", "k", "busy", "kv_used", "seqs", "queued_tokens", "chunks", "joined", "load")
+                 "finishing", "k", "busy", "kv_used", "seqs", "queued_tokens", "chunks", "joined", "load",
+                 "last_start")
 
     def __init__(self, index: int, role: str, spec: EngineSpec):
         self.index, self.role, self.spec = index, role, spec
@@ -173,6 +174,7 @@ class _Instance:
         self.chunks: list[tuple[int, int]] = []   # this step's prefill chunks (request, tokens)
         self.joined: list[int] = []               # D: requests whose first token this step makes
         self.load = 0            # D: sequences held, coming, or routed here
+        self.last_start = 0.0    # when the step now running was scheduled
 
 
 class Simulator:
@@ -210,6 +212,7 @@ class Simulator:
         self.first = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.decoder: dict[int, _Instance] = {}
+        self.ready = np.zeros(n)   # when a request reached the queue it waits in
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = 0
         self.steps = 0
@@ -231,6 +234,7 @@ class Simulator:
                 p_inst.kv_used -= prompt[rid]
                 p_inst.seqs -= 1
                 d = self.decoder.pop(rid)
+                self.ready[rid] = now
                 d.incoming.append(rid)
                 self._kick(p_inst, now)
                 self._kick(d, now)
@@ -269,6 +273,7 @@ class Simulator:
         return True
 
     def _enqueue(self, inst: _Instance, rid: int, now: float) -> None:
+        self.ready[rid] = now
         inst.waiting.append(rid)
         inst.prefill_left[rid] = self.prompt[rid]
         inst.queued_tokens += self.prompt[rid]
@@ -276,6 +281,7 @@ class Simulator:
 
     def _kick(self, inst: _Instance, now: float) -> None:
         if not inst.busy:
+            inst.last_start = now   # an idle engine schedules what arrives at once
             self._start_step(inst, now)
 
     def _reserve(self, inst: _Instance, rid: int) -> int:
@@ -284,7 +290,12 @@ class Simulator:
     def _start_step(self, inst: _Instance, now: float) -> None:
         spec = inst.spec
         # D: handed-off requests join the batch; their first decode makes the first token
-        while inst.incoming and inst.seqs < spec.max_num_seqs:
+        # Async scheduling: the engine schedules a step while the one before runs, so a step holds what had
+        # arrived when the step before it started (or, on an idle engine, what is there now).
+        cutoff = inst.last_start
+        if inst.n_dec == 0 and not any(self.ready[r] <= cutoff for r in (*inst.incoming, *inst.waiting)):
+            cutoff = now
+        while inst.incoming and inst.seqs < spec.max_num_seqs and self.ready[inst.incoming[0]] <= cutoff:
             rid = inst.incoming[0]
             if inst.kv_used + self._reserve(inst, rid) > spec.kv_capacity_tokens:
                 break
@@ -298,7 +309,7 @@ class Simulator:
         budget = spec.max_num_batched_tokens - inst.n_dec
         tokens = pairs = 0
         for rid in inst.waiting:
-            if budget <= 0:
+            if budget <= 0 or self.ready[rid] > cutoff:
                 break
             if rid not in inst.admitted:
                 if inst.seqs >= spec.max_num_seqs or inst.kv_used + self._reserve(inst, rid) > spec.kv_capacity_tokens:
@@ -320,6 +331,7 @@ class Simulator:
             inst.busy = False
             return
         inst.busy = True
+        inst.last_start = now
         self.steps += 1
         self._push(now + self.model.seconds(tokens, pairs, inst.n_dec, inst.ctx_sum), STEP_END, inst)
 

@@ -1,0 +1,185 @@
+"""`pdserve plan`: how many instances, split how between prefill and decode, for a workload at a rate under
+an SLO, predicted by simulating each candidate cluster (planner/simulator.py) on a step profile measured on
+the target hardware (planner/profile.py).
+
+For every total from 1 to --max-instances it simulates N colocated instances and every P:D split of N, on
+the same requests, and recommends the smallest total whose best candidate reaches --target-attainment
+(ties: the higher attainment, then the higher goodput).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.planner.profile import StepModel, load_step_model
+from pdserve.planner.simulator import POLICIES, ClusterSpec, EngineSpec, Workload, simulate
+
+PROFILES = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = PROFILES / "h200-llama-3.1-8b.json"
+# The two workloads of the issue 5 comparison (pdserve bench compare; benchmarks/gpu_compare.py).
+NAMED_WORKLOADS = {
+    "prefill-heavy": {"input_len": 5120, "range_ratio": 0.6, "output_len": 320, "output_range_ratio": 0.6},
+    "decode-heavy": {"input_len": 640, "range_ratio": 0.6, "output_len": 768, "output_range_ratio": 1 / 3},
+}
+
+DESCRIPTION = __doc__ + """
+Workloads: prefill-heavy (prompts 2,048-8,192 tokens, answers 128-512), decode-heavy (256-1,024 / 512-1,024),
+or a file: the JSON of a `pdserve bench serve|sweep` run (its requests' prompt and answer tokens), or a
+.jsonl with one {"prompt_len": N, "output_len": M} per line. Arrivals are Poisson at --rate either way.
+
+The default profile is an H200 serving the Llama-3.1-8B shape in bf16 (benchmarks/gpu_step_profile.py);
+measure your own hardware and model with that script and pass --profile. What the simulation leaves out
+and how far it was from measured runs: docs/planner.md.
+
+example: pdserve plan --workload prefill-heavy --rate 8 --slo-ttft-ms 2000 --slo-tpot-ms 20 --max-instances 4
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="prefill-heavy",
+                   help="prefill-heavy | decode-heavy | FILE.json (a bench run) | FILE.jsonl (default: prefill-heavy)")
+    p.add_argument("--rate", type=float, required=True, help="requests per second to plan for (Poisson)")
+    p.add_argument("--num-requests", type=int, default=2000, help="requests simulated per candidate (default: 2000)")
+    p.add_argument("--slo-ttft-ms", type=float, required=True)
+    p.add_argument("--slo-tpot-ms", type=float, required=True)
+    p.add_argument("--target-attainment", type=float, default=0.9,
+                   help="share of requests that must meet both SLOs (default: 0.9)")
+    p.add_argument("--max-instances", type=int, default=8, help="largest total to consider (default: 8)")
+    p.add_argument("--profile", default=str(DEFAULT_PROFILE),
+                   help="step profile JSON (benchmarks/gpu_step_profile.py output, or a bare step model)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--kv-capacity-tokens", type=int, default=800_000,
+                   help="KV tokens one instance holds (default: 800,000, an H200 with the 8B shape)")
+    p.add_argument("--kv-bytes-per-token", type=int, default=None,
+                   help="KV bytes of one token moved from P to D (default: the profile's, else 131,072)")
+    p.add_argument("--handoff-gbps", type=float, default=300.0, help="P to D KV rate, GB/s (default: 300)")
+    p.add_argument("--handoff-latency-ms", type=float, default=3.0, help="fixed cost of a handoff (default: 3)")
+    p.add_argument("--policy", choices=POLICIES, default="least-load")
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=0,
+                   help="prompts shorter than this go straight to a decode instance (default: 0, never)")
+    p.add_argument("--no-colocated", action="store_true", help="consider P/D splits only")
+    p.add_argument("--no-pd", action="store_true", help="consider colocated instances only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the candidates and the choice as JSON")
+
+
+def load_lengths(workload: str, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if workload in NAMED_WORKLOADS:
+        w = NAMED_WORKLOADS[workload]
+
+        def uniform(length: int, ratio: float) -> np.ndarray:
+            low, high = max(1, int(np.ceil(length * (1 - ratio)))), int(np.floor(length * (1 + ratio)))
+            return rng.integers(low, high + 1, size=n)
+        return uniform(w["input_len"], w["range_ratio"]), uniform(w["output_len"], w["output_range_ratio"])
+    path = Path(workload)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"--workload {workload!r}: not {' or '.join(NAMED_WORKLOADS)}, and not a readable "
+                         f"file ({exc.strerror})") from None
+    try:
+        if path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            pairs = [(int(r["prompt_len"]), int(r["output_len"])) for r in rows]
+        else:
+            data = json.loads(text)
+            results = data.get("results") or [data]
+            pairs = [(int(r["prompt_tokens"]), int(r["output_tokens"])) for res in results
+                     for r in res.get("requests", []) if r.get("success", True) and r.get("prompt_tokens")]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--workload {workload}: not a bench run JSON or a prompt_len/output_len .jsonl ({exc})") from None
+    if not pairs or any(p < 1 or o < 0 for p, o in pairs):
+        raise ValueError(f"--workload {workload}: no requests with positive lengths in it")
+    picks = rng.integers(0, len(pairs), size=n)
+    lengths = np.array(pairs)[picks]
+    return lengths[:, 0], np.maximum(lengths[:, 1], 1)
+
+
+def candidates(max_instances: int, colocated: bool, pd: bool):
+    for total in range(1, max_instances + 1):
+        if colocated:
+            yield total, (0, 0, total)
+        if pd:
+            for p in range(1, total):
+                yield total, (p, total - p, 0)
+
+
+def plan(args: argparse.Namespace) -> dict:
+    if args.rate <= 0 or args.num_requests < 1 or args.max_instances < 1:
+        raise ValueError("--rate, --num-requests and --max-instances must be positive")
+    if not 0 < args.target_attainment <= 1:
+        raise ValueError(f"--target-attainment must be in (0, 1], got {args.target_attainment}")
+    if args.no_colocated and args.no_pd:
+        raise ValueError("--no-colocated and --no-pd leave nothing to plan")
+    model: StepModel = load_step_model(args.profile)
+    kv_bytes = args.kv_bytes_per_token
+    if kv_bytes is None:
+        try:
+            kv_bytes = int(json.loads(Path(args.profile).read_text()).get("kv_bytes_per_token", 131_072))
+        except (OSError, ValueError, AttributeError):
+            kv_bytes = 131_072
+    prompt, output = load_lengths(args.workload, args.num_requests, args.seed)
+    workload = Workload.poisson(args.rate, prompt, output, seed=args.seed)
+    engine = EngineSpec(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_chunked_prefill=not args.no_chunked_prefill, kv_capacity_tokens=args.kv_capacity_tokens)
+    base = ClusterSpec(engine=engine, policy=args.policy, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+                       kv_bytes_per_token=kv_bytes, handoff_bytes_per_s=args.handoff_gbps * 1e9,
+                       handoff_latency_s=args.handoff_latency_ms / 1e3)
+    slo_ttft, slo_tpot = args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
+    rows, chosen = [], None
+    start = time.perf_counter()
+    for total, (p, d, c) in candidates(args.max_instances, not args.no_colocated, not args.no_pd):
+        if chosen is not None and total > chosen["instances"]:
+            break
+        cluster = replace(base, num_prefill=p, num_decode=d, num_colocated=c)
+        result = simulate(cluster, model, workload, seed=args.seed)
+        summary = result.summary(slo_ttft, slo_tpot)
+        row = {"cluster": cluster.describe(), "instances": total, "prefill": p, "decode": d, "colocated": c,
+               **summary, "goodput_req_s": summary["slo_attainment"] * len(workload) / max(summary["duration_s"], 1e-9)}
+        rows.append(row)
+        if row["slo_attainment"] >= args.target_attainment and not row["rejected"]:
+            if chosen is None or (row["slo_attainment"], row["goodput_req_s"]) > (chosen["slo_attainment"],
+                                                                                 chosen["goodput_req_s"]):
+                chosen = row
+    return {"workload": args.workload, "rate": args.rate, "requests": len(workload), "slo_ttft_ms": args.slo_ttft_ms,
+            "slo_tpot_ms": args.slo_tpot_ms, "target_attainment": args.target_attainment, "profile": args.profile,
+            "candidates": rows, "recommended": chosen, "seconds": time.perf_counter() - start}
+
+
+def format_plan(report: dict) -> str:
+    lines = [f"{report['requests']} requests of {report['workload']} at {report['rate']:g} req/s, SLO TTFT <= "
+             f"{report['slo_ttft_ms']:g} ms and TPOT <= {report['slo_tpot_ms']:g} ms for "
+             f"{report['target_attainment']:.0%} (simulated in {report['seconds']:.1f} s)",
+             f"{'cluster':>16} {'attain':>7} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p50':>9} {'TPOT p90':>9} "
+             f"{'goodput':>8}"]
+    for r in report["candidates"]:
+        lines.append(f"{r['cluster']:>16} {r['slo_attainment']:>7.1%} {r['ttft_p50_ms']:>7.0f}ms {r['ttft_p90_ms']:>7.0f}ms "
+                     f"{r['tpot_p50_ms']:>7.1f}ms {r['tpot_p90_ms']:>7.1f}ms {r['goodput_req_s']:>8.2f}"
+                     + (f"  ({r['rejected']} never fit)" if r["rejected"] else ""))
+    best = report["recommended"]
+    if best is None:
+        lines.append(f"no cluster of up to {max(r['instances'] for r in report['candidates'])} instances meets the "
+                     f"SLO at this rate: raise --max-instances, or relax the SLO")
+    else:
+        lines.append(f"recommended: {best['cluster']} ({best['instances']} instance(s)), predicted attainment "
+                     f"{best['slo_attainment']:.1%}, goodput {best['goodput_req_s']:.2f} req/s")
+    return "\n".join(lines)
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    try:
+        report = plan(args)
+    except ValueError as exc:
+        print(f"pdserve plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1) if args.json else format_plan(report))
+    return 0 if report["recommended"] is not None else 1
