@@ -104,6 +104,9 @@ def _add_server_args(p: argparse.ArgumentParser, port: int = 8000) -> None:
                    help="seconds a request may take from arrival to its last token before it is ended")
     g.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a client may take to send its request body (a slow upload gets a 408)")
+    g.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="on SIGTERM or Ctrl-C: seconds the requests in flight get to finish (no new ones are "
+                        "taken); those still running then end with an error, a stream with an error event")
     g.add_argument("--max-body-bytes", type=int, default=None,
                    help="largest request body (default: sized to the context, at least 1 MiB)")
     g.add_argument("--max-prompt-chars", type=int, default=None,
@@ -254,7 +257,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     config = ServerConfig(api_key=args.api_key, router_key=args.router_key,
                           max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
-                          body_timeout_s=args.body_timeout, max_body_bytes=args.max_body_bytes,
+                          body_timeout_s=args.body_timeout, drain_timeout_s=args.drain_timeout,
+                          max_body_bytes=args.max_body_bytes,
                           max_prompt_chars=args.max_prompt_chars)
     config.validate()
     return config
@@ -275,6 +279,16 @@ async def _serve(config: EngineConfig, host: str, port: int, server_config: Serv
         loop.add_signal_handler(sig, stop.set)
     dead = asyncio.create_task(_watch_engine(engine))
     await asyncio.wait([asyncio.create_task(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
+    # Stop taking connections, let the requests in flight finish, then end the rest with an error that
+    # reaches their clients (aiohttp's own cleanup would cut a stream mid-way after a minute, silently,
+    # and an engine that cannot step, a tensor-parallel rank stopped, say, never lets them finish).
+    for site in list(runner.sites):
+        await site.stop()
+    if not dead.done():
+        unfinished = await engine.drain(server_config.drain_timeout_s, "the server is shutting down")
+        if unfinished:
+            logging.getLogger("pdserve").warning("shutdown: %d request(s) still running after the %.0f s drain "
+                                                 "were ended with an error", unfinished, server_config.drain_timeout_s)
     await runner.cleanup()
     await engine.shutdown()
     return dead.done()   # the engine ended on its own: a supervisor should start the instance again

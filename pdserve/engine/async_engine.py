@@ -27,11 +27,14 @@ silent for longer than stall_timeout_s (default 60 s: one CPU step of a long pre
 from __future__ import annotations
 
 import asyncio
+import glob
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import queue
 import secrets
+import signal
 import threading
 import time
 import traceback
@@ -66,6 +69,24 @@ LOAD_REPORT_STATS = ("block_size", "hash_extra", "num_blocks", "num_free_blocks"
 
 def _error_output(request_id: str, message: str, num_prompt_tokens: int = 0) -> RequestOutput:
     return RequestOutput(request_id, [], "", num_prompt_tokens, 0, FinishReason.ERROR, error=message)
+
+
+def _tp_ranks_of(pid: int) -> list[int]:
+    """The tensor-parallel rank processes (worker/tp_executor.py) the engine process `pid` started."""
+    ranks = []
+    for children in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            pids = [int(c) for c in open(children).read().split()]
+        except (OSError, ValueError):
+            continue
+        for child in pids:
+            try:
+                cmdline = open(f"/proc/{child}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"pdserve.worker.tp_executor" in cmdline:
+                ranks.append(child)
+    return ranks
 
 
 def run_engine_process(config: EngineConfig, in_conn, out_conn) -> None:
@@ -258,6 +279,7 @@ class AsyncEngine:
         self._outbox: queue.Queue = queue.Queue()
         self._dead: str | None = None
         self._broken: str | None = None        # the engine process reported itself broken: why
+        self._draining: str | None = None      # shutting down: new requests are refused with this
         self._degraded: str | None = None      # steps keep failing (it serves on): why
         self._last_heard: float | None = None  # time.monotonic() of the last message from it
         self._stopping = False
@@ -350,7 +372,7 @@ class AsyncEngine:
                        kv_transfer_params: dict | None = None,
                        resumed_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """resumed_token_ids: see EngineCore.add_request (the router's stream recovery)."""
-        refusal = self._dead or self._broken
+        refusal = self._dead or self._broken or self._draining
         if refusal is not None:
             yield _error_output(request_id, refusal, len(prompt_token_ids))
             return
@@ -415,6 +437,8 @@ class AsyncEngine:
             return False, "engine not started"
         if self._broken is not None:
             return False, self._broken
+        if self._draining is not None:
+            return False, self._draining
         if self._degraded is not None:
             return False, self._degraded
         if not self.process.is_alive():
@@ -435,6 +459,22 @@ class AsyncEngine:
         stalled engine is unhealthy (/health says why) but may recover, so it is not a reason to exit."""
         return self.process is not None and self.process.is_alive()
 
+    async def drain(self, timeout_s: float, reason: str) -> int:
+        """Refuse new requests, wait up to timeout_s for those in flight to finish, then end the rest with
+        an error output carrying `reason` (each also aborted in the engine). Returns how many were ended."""
+        self._draining = reason
+        deadline = time.monotonic() + timeout_s
+        while self._queues and time.monotonic() < deadline and self.process is not None and self.process.is_alive():
+            await asyncio.sleep(0.05)
+        unfinished = list(self._queues.items())
+        for request_id, q in unfinished:
+            q.put_nowait(_error_output(request_id, f"{reason}: the request did not finish within the "
+                                                   f"{timeout_s:g} s drain"))
+        if unfinished:
+            self._outbox.put(("abort", [request_id for request_id, _ in unfinished]))
+        await asyncio.sleep(0)   # let the handlers take their error outputs before the server closes
+        return len(unfinished)
+
     async def shutdown(self) -> None:
         if self.process is None:
             return
@@ -442,4 +482,16 @@ class AsyncEngine:
         self._outbox.put(("shutdown",))
         await asyncio.to_thread(self.process.join, 10)
         if self.process.is_alive():
+            # Stuck (in a step whose collective waits on a stopped tensor-parallel rank, say). Its ranks end
+            # when they see it gone, but a stopped one sees nothing: they are killed by pid here.
+            ranks = _tp_ranks_of(self.process.pid)
             self.process.terminate()
+            await asyncio.to_thread(self.process.join, 5)
+            if self.process.is_alive():
+                self.process.kill()
+                await asyncio.to_thread(self.process.join, 5)
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass

@@ -47,3 +47,39 @@ def test_a_rank_killed_while_idle_ends_the_instance_with_exit_code_1(tp_server):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+def test_sigterm_with_a_rank_stopped_ends_streams_with_an_error_and_leaves_no_rank():
+    """A SIGTERM while a rank is stopped (SIGSTOP: its step's collective never completes) used to wait out
+    the 120 s collective timeout, cut the streams without an error event, and leave the stopped rank
+    behind (its parent watch cannot run). Now the drain ends the stream with an error event, the hung
+    engine process is terminated, and its ranks are killed by pid."""
+    import http.client
+    import json
+
+    proc = serve("tp3-drain", "--tensor-parallel-size", "3", "--drain-timeout", "2").wait_healthy()
+    try:
+        pids = proc.pids()
+        ranks = [p for p in pids if "pdserve.worker.tp_executor" in open(f"/proc/{p}/cmdline").read()]
+        conn = http.client.HTTPConnection("127.0.0.1", proc.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": "default", "prompt": "Tell me a story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}),
+            {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.readline().startswith(b"data: ")
+        os.kill(ranks[0], signal.SIGSTOP)
+        time.sleep(0.5)
+        start = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)
+        events = [raw.decode() for raw in resp if raw.startswith(b"data: ")]
+        assert any('"error"' in e and "shutting down" in e for e in events), events[-3:]
+        assert time.monotonic() - start < 2 + 10
+        proc.proc.wait(timeout=40)
+        assert wait_until(lambda: not any(alive(p) for p in pids), timeout=10)
+    finally:
+        for pid in proc.pids():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
+        proc.stop()

@@ -1,0 +1,57 @@
+"""`pdserve serve` on SIGTERM: requests in flight get --drain-timeout to finish, no new connection is
+taken, and a stream still running after it ends with an error event its client can read, before the
+process exits. Before, aiohttp's cleanup waited a minute and then cut such a stream without a word (and
+an engine that could not step, a tensor-parallel rank stopped, kept the process for the collective
+timeout)."""
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import threading
+import time
+
+from tests.e2e.cluster import serve
+
+
+def _events(resp) -> list[dict | str]:
+    events = []
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_sigterm_lets_a_short_request_finish_and_ends_a_long_stream_with_an_error_event():
+    proc = serve("drain", "--drain-timeout", "3").wait_healthy()
+    try:
+        long = http.client.HTTPConnection("127.0.0.1", proc.port, timeout=120)
+        long.request("POST", "/v1/completions", json.dumps({
+            "model": "default", "prompt": "Tell me a very long story.", "max_tokens": 3000, "ignore_eos": True,
+            "temperature": 0, "stream": True}), {"Content-Type": "application/json"})
+        resp = long.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")   # it is generating
+        short: dict = {}
+
+        def post_short():
+            short["status"], short["body"] = proc.post("/v1/completions", {
+                "model": "default", "prompt": "Hi", "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+        thread = threading.Thread(target=post_short)
+        thread.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)
+        events = _events(resp)
+        stream_ended = time.monotonic() - start
+        thread.join(timeout=60)
+        assert short["status"] == 200 and short["body"]["usage"]["completion_tokens"] == 8   # drained
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert errors and "shutting down" in errors[0]["error"]["message"], events[-3:]
+        assert stream_ended < 3 + 10
+        assert proc.proc.wait(timeout=30) == 0
+        assert proc.health() == 0   # nothing listens any more
+    finally:
+        proc.stop()
