@@ -10,6 +10,8 @@ affects both sides alike.
   gemm       pdserve's own packed GEMM (model/csrc/cpu_linear.c) against oneDNN's packed weights
   fused      RMSNorm and SwiGLU as C kernels (model/csrc/cpu_norm.c) against eager torch (layers.CPU_FUSED_OPS)
   rope       rotary + KV cache write as one C kernel (model/csrc/cpu_rope.c) against apply_rotary + write_kv
+             (the attention and fused switches' "off" sides turn this kernel off too: since 2026-12-04 their
+             A/B figures include it)
 
 Prefills `batch` random prompts, then times pure-decode steps (schedule + execute + update) with the
 path on and off in turn (ABBA order), and one decode step of a single sequence the same way (the

@@ -282,6 +282,8 @@ async def _serve(config: EngineConfig, host: str, port: int, server_config: Serv
     # Stop taking connections, let the requests in flight finish, then end the rest with an error that
     # reaches their clients (aiohttp's own cleanup would cut a stream mid-way after a minute, silently,
     # and an engine that cannot step, a tensor-parallel rank stopped, say, never lets them finish).
+    for sig in (signal.SIGINT, signal.SIGTERM):   # a second one stops at once, without the drain
+        loop.add_signal_handler(sig, lambda: os._exit(1))
     for site in list(runner.sites):
         await site.stop()
     if not dead.done():

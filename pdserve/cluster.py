@@ -33,7 +33,7 @@ from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV, TP_KV_CONNECTORS
 
 HEALTH_TIMEOUT_S = 600
 GPU_MEMORY_FRACTION = 0.9   # of one GPU, for the instances `up` puts on it together (serve's default alone)
-STOP_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 25.0   # an instance's drain (10 s by default) and its engine's stop (5 s), and some
 
 
 def threads_per_instance(num_instances: int, cores: Sequence[int] | None = None) -> int:

@@ -201,7 +201,7 @@ class ServerConfig:
     body_timeout_s: float = 30.0          # a client must finish sending its body within this
     # On SIGTERM / Ctrl-C: requests in flight get this long to finish; the rest then end with an error
     # (an error event on a stream) before the server stops.
-    drain_timeout_s: float = 10.0          # under `pdserve up`'s 15 s between SIGTERM and SIGKILL
+    drain_timeout_s: float = 10.0          # under `pdserve up`'s 25 s between SIGTERM and SIGKILL
     # None: sized to the model's context (see resolve_limits)
     max_body_bytes: int | None = None
     max_prompt_chars: int | None = None
@@ -213,8 +213,8 @@ class ServerConfig:
                 raise ValueError(f"{name}: must be a non-empty printable ASCII string")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
-        if not self.drain_timeout_s >= 0:
-            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError(f"drain_timeout_s: must be in [0, 3600] seconds, got {self.drain_timeout_s}")
         for name in ("request_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

@@ -71,6 +71,12 @@ def _error_output(request_id: str, message: str, num_prompt_tokens: int = 0) -> 
     return RequestOutput(request_id, [], "", num_prompt_tokens, 0, FinishReason.ERROR, error=message)
 
 
+# An engine process that has not stopped this long after being asked is stuck in a step. `pdserve up`
+# gives an instance cluster.STOP_TIMEOUT_S between SIGTERM and SIGKILL, which must cover the drain
+# (config.ServerConfig.drain_timeout_s) plus this plus the kills.
+SHUTDOWN_TIMEOUT_S = 5.0
+
+
 def _tp_ranks_of(pid: int) -> list[int]:
     """The tensor-parallel rank processes (worker/tp_executor.py) the engine process `pid` started."""
     ranks = []
@@ -459,12 +465,21 @@ class AsyncEngine:
         stalled engine is unhealthy (/health says why) but may recover, so it is not a reason to exit."""
         return self.process is not None and self.process.is_alive()
 
+    @property
+    def draining(self) -> str | None:
+        """Why new requests are refused while the server shuts down, or None."""
+        return self._draining
+
     async def drain(self, timeout_s: float, reason: str) -> int:
         """Refuse new requests, wait up to timeout_s for those in flight to finish, then end the rest with
         an error output carrying `reason` (each also aborted in the engine). Returns how many were ended."""
         self._draining = reason
         deadline = time.monotonic() + timeout_s
-        while self._queues and time.monotonic() < deadline and self.process is not None and self.process.is_alive():
+
+        def busy() -> bool:
+            # a P's requests end at their first token, but D may still be reading their KV: wait for that too
+            return bool(self._queues) or bool(self._stats.get("num_blocks_held_for_transfer"))
+        while busy() and time.monotonic() < deadline and self.process is not None and self.process.is_alive():
             await asyncio.sleep(0.05)
         unfinished = list(self._queues.items())
         for request_id, q in unfinished:
@@ -475,23 +490,24 @@ class AsyncEngine:
         await asyncio.sleep(0)   # let the handlers take their error outputs before the server closes
         return len(unfinished)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Ask the engine process to stop; past timeout_s (stuck in a step whose collective waits on a
+        stopped tensor-parallel rank, say) kill it and its ranks."""
         if self.process is None:
             return
         self._stopping = True
         self._outbox.put(("shutdown",))
-        await asyncio.to_thread(self.process.join, 10)
+        await asyncio.to_thread(self.process.join, timeout_s)
         if self.process.is_alive():
-            # Stuck (in a step whose collective waits on a stopped tensor-parallel rank, say). Its ranks end
-            # when they see it gone, but a stopped one sees nothing: they are killed by pid here.
-            ranks = _tp_ranks_of(self.process.pid)
-            self.process.terminate()
-            await asyncio.to_thread(self.process.join, 5)
-            if self.process.is_alive():
-                self.process.kill()
-                await asyncio.to_thread(self.process.join, 5)
-            for pid in ranks:
+            # Its ranks end when they see it gone, but a stopped one sees nothing: they are killed by pid,
+            # first, while the engine process is alive and so has not reaped them (their pids not reused).
+            for pid in _tp_ranks_of(self.process.pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
+            self.process.terminate()
+            await asyncio.to_thread(self.process.join, 2)
+            if self.process.is_alive():
+                self.process.kill()
+                await asyncio.to_thread(self.process.join, 2)

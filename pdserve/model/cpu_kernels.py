@@ -28,7 +28,10 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_decode_attention.c", "cpu_linear.c", "cpu_norm.c", "cpu_rope.c")]
 HEADERS = [CSRC / "vec8.h"]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# -ffp-contract=off: no multiply-add fused behind our back (explicit FMAs are written as such), so that
+# the kernels that match torch op for op do so bit for bit with any compiler ($CC may be clang, which
+# fuses by default; GCC does not under -std=c11, but does under gnu11).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
 ENABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"
 _COMPILE_TIMEOUT_S = 120
 
@@ -251,10 +254,18 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     tensors = (q, k, v, cos, sin, kv_layer)
     if lib is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return False
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or kv_layer.dim() != 5:
+        return False
     rows, heads, dim = q.shape
-    num_blocks, _, block_size, kv_heads, _ = kv_layer.shape
-    if (any(t.stride()[1:] != (t.shape[2], 1) for t in (q, k, v)) or tuple(k.shape) != (rows, kv_heads, dim)
-            or k.shape != v.shape or kv_layer.stride()[2:] != (kv_heads * dim, dim, 1) or slot_mapping.numel() != rows):
+    num_blocks, kv_parts, block_size, kv_heads, kv_dim = kv_layer.shape
+    # Every row its own memory (no broadcast views: rows are rotated in place, in parallel), K and V in
+    # their halves of a block, and each cache row dense: the C side writes kv_heads x dim floats per slot.
+    if (any(t.stride()[1:] != (t.shape[2], 1) or t.stride(0) < t.shape[1] * t.shape[2] for t in (q, k, v))
+            or tuple(k.shape) != (rows, kv_heads, dim) or k.shape != v.shape or kv_parts != 2 or kv_dim != dim
+            or kv_layer.stride()[2:] != (kv_heads * dim, dim, 1) or kv_layer.stride(1) < block_size * kv_heads * dim
+            or kv_layer.stride(0) < 2 * kv_layer.stride(1) or slot_mapping.numel() != rows
+            or slot_mapping.dtype not in (torch.int32, torch.int64) or cos.numel() != rows * (dim // 2)
+            or sin.numel() != rows * (dim // 2) or dim % 2):
         return False
     cos, sin = cos.reshape(rows, dim // 2).contiguous(), sin.reshape(rows, dim // 2).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()

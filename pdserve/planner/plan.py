@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -95,8 +96,10 @@ def load_lengths(workload: str, n: int, seed: int) -> tuple[np.ndarray, np.ndarr
             results = data.get("results") or [data]
             pairs = [(int(r["prompt_tokens"]), int(r["output_tokens"])) for res in results
                      for r in res.get("requests", []) if r.get("success", True) and r.get("prompt_tokens")]
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
         raise ValueError(f"--workload {workload}: not a bench run JSON or a prompt_len/output_len .jsonl ({exc})") from None
+    if any(p > 10_000_000 or o > 10_000_000 for p, o in pairs):
+        raise ValueError(f"--workload {workload}: a request of more than 10,000,000 tokens")
     if not pairs or any(p < 1 or o < 0 for p, o in pairs):
         raise ValueError(f"--workload {workload}: no requests with positive lengths in it")
     picks = rng.integers(0, len(pairs), size=n)
@@ -114,8 +117,14 @@ def candidates(max_instances: int, colocated: bool, pd: bool):
 
 
 def plan(args: argparse.Namespace) -> dict:
-    if args.rate <= 0 or args.num_requests < 1 or args.max_instances < 1:
-        raise ValueError("--rate, --num-requests and --max-instances must be positive")
+    for name in ("rate", "slo_ttft_ms", "slo_tpot_ms", "handoff_gbps"):
+        value = getattr(args, name)
+        if not 0 < value < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')} must be finite and > 0, got {value}")
+    if not 0 <= args.handoff_latency_ms < math.inf:
+        raise ValueError(f"--handoff-latency-ms must be finite and >= 0, got {args.handoff_latency_ms}")
+    if not 1 <= args.num_requests <= 10_000_000 or not 1 <= args.max_instances <= 100_000:
+        raise ValueError("--num-requests must be in [1, 10,000,000] and --max-instances in [1, 100,000]")
     if not 0 < args.target_attainment <= 1:
         raise ValueError(f"--target-attainment must be in (0, 1], got {args.target_attainment}")
     if args.no_colocated and args.no_pd:
@@ -166,7 +175,11 @@ def format_plan(report: dict) -> str:
                      f"{r['tpot_p50_ms']:>7.1f}ms {r['tpot_p90_ms']:>7.1f}ms {r['goodput_req_s']:>8.2f}"
                      + (f"  ({r['rejected']} never fit)" if r["rejected"] else ""))
     best = report["recommended"]
-    if best is None:
+    never = min(r["rejected"] for r in report["candidates"])
+    if best is None and never:
+        lines.append(f"{never} of {report['requests']} requests never fit an instance (KV above "
+                     f"--kv-capacity-tokens, or without chunked prefill a prompt above --max-num-batched-tokens)")
+    elif best is None:
         lines.append(f"no cluster of up to {max(r['instances'] for r in report['candidates'])} instances meets the "
                      f"SLO at this rate: raise --max-instances, or relax the SLO")
     else:
@@ -181,5 +194,5 @@ def plan_main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=1) if args.json else format_plan(report))
+    print(json.dumps(report, indent=1, allow_nan=False) if args.json else format_plan(report))
     return 0 if report["recommended"] is not None else 1

@@ -148,7 +148,17 @@ def load_step_model(path: str | Path) -> StepModel:
         raise ValueError(f"profile {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"profile {path}: expected a JSON object")
-    if "points" in data:
-        points = [StepPoint(**p) for p in data["points"]]
-        return fit_step_model(points, source=str(path))
-    return StepModel.from_dict({**data.get("fit", data), "source": str(path)})
+    try:
+        if "points" in data:
+            points = [StepPoint(**{k: float(v) if k == "seconds" else int(v) for k, v in p.items()})
+                      for p in data["points"]]
+            model = fit_step_model(points, source=str(path))
+            if model.per_token <= 0:
+                raise ValueError("the fit gives tokens no cost: measure prefill steps of several lengths")
+            return model
+        fit = data.get("fit", data)
+        if not isinstance(fit, dict):
+            raise ValueError('"fit" is not an object')
+        return StepModel.from_dict({**fit, "source": str(path)})
+    except (TypeError, ValueError, OverflowError, AttributeError) as exc:
+        raise ValueError(f"profile {path}: {exc}") from None

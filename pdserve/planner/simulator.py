@@ -27,6 +27,7 @@ run is linear in requests and steps: a million requests over a thousand instance
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -89,8 +90,10 @@ class ClusterSpec:
                              f"{self.num_decode}D")
         if self.num_prefill and self.num_colocated:
             raise ValueError("cluster: P/D and colocated instances in one simulated cluster are not supported")
-        if self.handoff_bytes_per_s <= 0 or self.handoff_latency_s < 0 or self.kv_bytes_per_token < 0:
-            raise ValueError("cluster: handoff rate must be > 0, its latency and the KV bytes >= 0")
+        if not (0 < self.handoff_bytes_per_s < math.inf and 0 <= self.handoff_latency_s < math.inf
+                and self.kv_bytes_per_token >= 0):
+            raise ValueError("cluster: handoff rate must be finite and > 0, its latency finite and >= 0, "
+                             "the KV bytes >= 0")
         self.engine.validate()
         if self.prefill_engine is not None:
             self.prefill_engine.validate()
@@ -110,9 +113,9 @@ class Workload:
         n = len(self.arrival)
         if len(self.prompt_len) != n or len(self.output_len) != n:
             raise ValueError("workload: arrival, prompt_len and output_len differ in length")
-        if n and ((self.prompt_len < 1).any() or (self.output_len < 1).any() or (self.arrival < 0).any()
-                  or (np.diff(self.arrival) < 0).any()):
-            raise ValueError("workload: lengths must be >= 1 and arrivals >= 0, in order")
+        if n and ((self.prompt_len < 1).any() or (self.output_len < 1).any() or not np.isfinite(self.arrival).all()
+                  or (self.arrival < 0).any() or (np.diff(self.arrival) < 0).any()):
+            raise ValueError("workload: lengths must be >= 1 and arrivals finite, >= 0, in order")
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -120,8 +123,8 @@ class Workload:
     @classmethod
     def poisson(cls, rate: float, prompt_len, output_len, seed: int = 0) -> Workload:
         """Exponential gaps at `rate` per second (the first request at 0, as `pdserve bench` sends them)."""
-        if rate <= 0:
-            raise ValueError(f"rate must be > 0, got {rate}")
+        if not 0 < rate < math.inf:
+            raise ValueError(f"rate must be finite and > 0, got {rate}")
         n = len(prompt_len)
         gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
         gaps[0] = 0.0
@@ -137,10 +140,12 @@ class Result:
     rejected: int = 0   # requests whose KV can never fit an instance: never served
 
     def attainment(self, slo_ttft_s: float, slo_tpot_s: float) -> float:
-        if len(self.ttft) == 0:
+        """The share of all requests, those never served included, that met both SLOs."""
+        total = len(self.ttft) + self.rejected
+        if total == 0:
             return 1.0
         ok = (self.ttft <= slo_ttft_s) & (self.tpot <= slo_tpot_s)
-        return float(ok.mean())
+        return float(ok.sum()) / total
 
     def summary(self, slo_ttft_s: float, slo_tpot_s: float) -> dict:
         def pct(a, q):
@@ -250,21 +255,31 @@ class Simulator:
         self.seq += 1
         heapq.heappush(self.events, (time, self.seq, kind, payload))
 
+    @staticmethod
+    def _never_fits(spec: EngineSpec, prompt: int, kv_tokens: int) -> bool:
+        """Its KV exceeds the instance's, or, without chunked prefill, its prompt exceeds the token budget:
+        a real engine refuses it at once (a 400), so it is not served."""
+        return kv_tokens > spec.kv_capacity_tokens or (not spec.enable_chunked_prefill
+                                                       and prompt > spec.max_num_batched_tokens)
+
     def _route(self, rid: int, now: float) -> bool:
         c = self.cluster
         need = self.prompt[rid] + self.output[rid]
         if c.num_colocated:
-            if need > c.engine.kv_capacity_tokens:
+            if self._never_fits(c.engine, self.prompt[rid], need):
                 return False
             inst = self._pick(self.colocated, lambda i: i.queued_tokens + i.seqs)
             self._enqueue(inst, rid, now)
             return True
         p_spec = c.prefill_engine or c.engine
-        if need > c.engine.kv_capacity_tokens or self.prompt[rid] > p_spec.kv_capacity_tokens:
+        direct = self.prompt[rid] < c.pd_min_prompt_tokens
+        if (need > c.engine.kv_capacity_tokens
+                or (direct and self._never_fits(c.engine, self.prompt[rid], need))
+                or (not direct and self._never_fits(p_spec, self.prompt[rid], self.prompt[rid]))):
             return False
         d = self._pick(self.decode, lambda i: i.load)
         d.load += 1
-        if self.prompt[rid] < c.pd_min_prompt_tokens:
+        if direct:
             self._enqueue(d, rid, now)
             return True
         p = self._pick(self.prefill, lambda i: i.queued_tokens)
@@ -293,7 +308,8 @@ class Simulator:
         # Async scheduling: the engine schedules a step while the one before runs, so a step holds what had
         # arrived when the step before it started (or, on an idle engine, what is there now).
         cutoff = inst.last_start
-        if inst.n_dec == 0 and not any(self.ready[r] <= cutoff for r in (*inst.incoming, *inst.waiting)):
+        # ready times only grow along each queue, so its head is its earliest
+        if inst.n_dec == 0 and not any(q and self.ready[q[0]] <= cutoff for q in (inst.incoming, inst.waiting)):
             cutoff = now
         while inst.incoming and inst.seqs < spec.max_num_seqs and self.ready[inst.incoming[0]] <= cutoff:
             rid = inst.incoming[0]

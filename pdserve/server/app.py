@@ -161,6 +161,9 @@ def _finish_reason(output: RequestOutput) -> str | None:
     return None if reason is None else getattr(reason, "value", reason)
 
 
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
 def json_error(status: int, message: str, param: str | None = None,
                headers: Mapping[str, str] | None = None) -> web.Response:
     return web.json_response(protocol.error_body(message, status=status, param=param), status=status,
@@ -197,6 +200,9 @@ class OpenAIServer:
             if self.config.api_key is not None and request.path not in OPEN_PATHS and not is_router:
                 if not secret_matches(bearer_token(request), self.config.api_key):
                     raise ProtocolError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+            draining = getattr(self.engine, "draining", None)
+            if draining and request.method == "POST" and request.path in GENERATE_PATHS:
+                raise ProtocolError(503, draining)   # with Retry-After: another instance may take it
             return await handler(request)
         except ProtocolError as e:
             headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None

@@ -163,3 +163,19 @@ def test_rope_and_kv_write_refuse_a_slot_outside_the_cache():
     for bad in (12, -1):
         assert not cpu_kernels.rope_write_kv(q, k, v, cos, sin, kv[:, 0], torch.tensor([0, bad]))
         assert torch.equal(q, before) and not kv.any()
+
+
+def test_rope_and_kv_write_refuse_layouts_they_would_write_outside():
+    """A cache view without both K and V halves (the V write would land past its end), a broadcast q (rows
+    rotated in place, several times, in parallel), float slots, or cos of the wrong size: refused, nothing
+    written, the caller runs torch."""
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    kv = torch.zeros(3, 2, 2, 4, 2, 16)
+    cos = sin = torch.ones(2, 1, 8)
+    slots = torch.tensor([0, 5])
+    assert not cpu_kernels.rope_write_kv(q, k, v, cos, sin, kv[:, 0, 1:], slots)           # V half missing
+    assert not cpu_kernels.rope_write_kv(q[:1].expand(2, 4, 16), k, v, cos, sin, kv[:, 0], slots)
+    assert not cpu_kernels.rope_write_kv(q, k, v, cos, sin, kv[:, 0], slots.float())
+    assert not cpu_kernels.rope_write_kv(q, k, v, torch.ones(3, 1, 8), sin, kv[:, 0], slots)
+    assert not kv.any()
+    assert cpu_kernels.rope_write_kv(q, k, v, cos, sin, kv[:, 0], slots)   # the same, well formed

@@ -137,3 +137,20 @@ def test_the_shipped_profile_loads():
     from pdserve.planner.plan import DEFAULT_PROFILE
     model = load_step_model(DEFAULT_PROFILE)
     assert 0.002 < model.seconds(0, 0, 1, 2048) < 0.02   # one 8B decode step on an H200: milliseconds
+
+
+def test_requests_that_can_never_run_are_counted_not_left_queued():
+    """Without chunked prefill a prompt above the token budget can never be scheduled: it is refused (as a
+    real engine refuses it) and counted as a miss, instead of blocking its instance's queue, which left
+    every figure NaN."""
+    whole = ClusterSpec(num_colocated=1, engine=EngineSpec(max_num_batched_tokens=100, enable_chunked_prefill=False))
+    r = run(whole, [0.0, 0.0], [150, 50], [2, 2])
+    assert r.rejected == 1 and r.ttft.tolist() == pytest.approx([0.01])
+    assert r.attainment(1.0, 1.0) == 0.5
+
+
+def test_plan_refuses_non_finite_numbers(capsys):
+    for flag, value in (("--rate", "nan"), ("--rate", "inf"), ("--slo-ttft-ms", "nan"), ("--handoff-gbps", "0")):
+        args = {"--rate": "1", "--slo-ttft-ms": "100", "--slo-tpot-ms": "10", flag: value}
+        rc = cli_main(["plan", *[x for kv in args.items() for x in kv]])
+        assert rc == 2 and flag in capsys.readouterr().err, flag

@@ -436,3 +436,20 @@ def test_return_token_ids_and_token_ids_without_a_tokenizer():
     assert run(main(tiny_engine(), True, {"return_token_ids": True})) == expected
     assert run(main(tiny_engine(), False, {})) is None
     assert run(main(FakeEngine(), True, {})) == expected   # no tokenizer
+
+
+def test_a_draining_server_answers_new_requests_with_503_and_retry_after():
+    """During the SIGTERM drain a request that still reaches the server (a kept-alive connection) gets a
+    503 with Retry-After, which a router retries on another instance; before, a 500."""
+    engine = tiny_engine()
+    engine.draining = "the server is shutting down"
+
+    async def main():
+        async with serving(engine) as url, aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/v1/completions", json={"model": "fake-model", "prompt": "hi",
+                                                                   "max_tokens": 2}) as resp:
+                return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+    status, retry_after, body = run(main())
+    assert status == 503 and retry_after and "shutting down" in body["error"]["message"]
+    assert not engine.calls
