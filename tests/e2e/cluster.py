@@ -152,6 +152,9 @@ ROUTER_KEY = "e2e-router-key"
 # (benchmarks/gpu_fault_matrix.sh) replaces them with a GPU instance's through the environment.
 INSTANCE_ARGS = shlex.split(os.environ.get(
     "PDSERVE_E2E_INSTANCE_ARGS", f"--model default --kv-cache-memory {128 << 20} --num-threads 1"))
+# Stopped instances drain for 1 s, not 10: a P holding KV for a D that a test killed would otherwise wait
+# out the whole drain at every stop. The drain's own tests pass their --drain-timeout after these.
+INSTANCE_ARGS += ["--drain-timeout", "1"]
 # The P/D transport the fault matrix runs over: nixl (DRAM on CPU, VRAM on a GPU) or cuda_ipc.
 KV_CONNECTOR = os.environ.get("PDSERVE_E2E_KV_CONNECTOR", "nixl")
 
