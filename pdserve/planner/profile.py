@@ -59,10 +59,6 @@ class StepModel:
                 + self.per_context_token * decode_context + self.per_attention_pair * prefill_attention
                 + self.per_decode_seq * decode_batch + (self.prefill_step if prefill_tokens else 0.0))
 
-    def prefill_seconds(self, tokens: int, context_before: int = 0) -> float:
-        """One prompt (or chunk) alone in its step."""
-        return self.seconds(tokens, attention_pairs(tokens, context_before), 0, 0)
-
     def as_dict(self) -> dict:
         return asdict(self)
 

@@ -128,7 +128,8 @@ def assert_idle(server, *workers):
         assert w.num_pending_requests() == 0
         assert w.num_blocks_held() == 0
     wait_for(lambda: not server.index.leases and not server.index.inserts, "the store's leases to go")
-    server.index.check()
+    with server._lock:   # the server's threads change the index under it: read it whole, not mid-update
+        server.index.check()
 
 
 def test_p_inserts_and_d_loads_through_the_contract(store, instance):
