@@ -184,6 +184,7 @@ class Instance:
             raise ValueError(f"role: one of {', '.join(ROLES)}, got {role!r}")
         self.name, self.url, self.role = name, url, role
         self.state, self.consecutive_failures, self.detail = HEALTHY, 0, None
+        self.removed = False                # Router.remove: out of the cluster (hops on it still end)
         self.report: LoadReport | None = None
         self.report_time: float | None = None
         self.num_reports = self.num_restarts = self.num_ejections = 0

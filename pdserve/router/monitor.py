@@ -22,7 +22,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Sequence
 
 import aiohttp
 
@@ -48,10 +47,11 @@ class StartupError(RuntimeError):
 
 
 class Monitor:
-    def __init__(self, instances: Sequence[Instance], index: PrefixIndex, *, headers: dict[str, str],
+    def __init__(self, instances: list[Instance], index: PrefixIndex, *, headers: dict[str, str],
                  interval: float = DEFAULT_POLL_INTERVAL_S, timeout: float = DEFAULT_POLL_TIMEOUT_S,
                  eject_after: int = DEFAULT_EJECT_AFTER) -> None:
-        self.instances, self.index = list(instances), index
+        # The router's own list, not a copy: instances it adds are polled from the next round on.
+        self.instances, self.index = instances, index
         self.headers, self.interval, self.timeout, self.eject_after = headers, interval, timeout, eject_after
         self.session: aiohttp.ClientSession | None = None
         self.boot_ids: dict[str, str] = {}
@@ -70,10 +70,16 @@ class Monitor:
                 # A round waits one interval at most: an instance that answers slowly, or not at all (until its
                 # poll's timeout), must not hold back every other instance's polls (a hostile test: one hung
                 # /v1/load made every round last the 2 s timeout, and a dead instance took 6 s to eject).
-                await asyncio.wait(polls.values(), timeout=self.interval)
-                for inst in self.instances:
-                    if (task := polls.get(inst.name)) is not None and task.done():
-                        del polls[inst.name]
+                if polls:
+                    await asyncio.wait(polls.values(), timeout=self.interval)
+                members = {inst.name: inst for inst in self.instances}
+                for name, task in list(polls.items()):
+                    if (inst := members.get(name)) is None:   # removed from the cluster meanwhile
+                        task.cancel()
+                        del polls[name]
+                        self.forget(name)
+                    elif task.done():
+                        del polls[name]
                         # One poll's unexpected error must not end the polls (nothing would be re-admitted).
                         if (error := task.exception()) is not None:
                             logger.error("polling %s failed", inst.name, exc_info=error)
@@ -93,6 +99,8 @@ class Monitor:
             return
         except ValueError as e:
             self.failed(inst, str(e))
+            return
+        if inst.removed:
             return
         now = time.monotonic()
         if report is None:   # /health answered 200: alive, load unknown
@@ -156,6 +164,11 @@ class Monitor:
         if not isinstance(report, dict):
             raise ValueError("load report is not a JSON object")
         return report
+
+    def forget(self, name: str) -> None:
+        """What the polls learned of an instance that left (a new one may come back under its name)."""
+        self.boot_ids.pop(name, None)
+        self.no_load_route.discard(name)
 
     def failed(self, inst: Instance, detail: str, log_detail: str | None = None) -> None:
         was_available = inst.is_available

@@ -248,30 +248,61 @@ POLICIES: dict[str, type[RoutingPolicy]] = {cls.name: cls for cls in (RoundRobin
 
 class Router:
     def __init__(self, instances: Iterable[Instance], policy: str | RoutingPolicy = "round-robin",
-                 config: RouterConfig | None = None, index: PrefixIndex | None = None) -> None:
-        self.instances = list(instances)
-        if not self.instances:
-            raise ValueError("instances: the router needs at least one")
-        self.by_name = {inst.name: inst for inst in self.instances}
-        if len(self.by_name) != len(self.instances):
-            raise ValueError("instances: names must be unique")
+                 config: RouterConfig | None = None, index: PrefixIndex | None = None, *,
+                 dynamic: bool = False) -> None:
+        """dynamic: the pools are followed as instances come and go (`add` / `remove`, e.g. a Ray
+        cluster's): the router may start empty, and a request meeting no decode or colocated instance is
+        answered 503 rather than the configuration refused."""
+        self.instances: list[Instance] = []
+        self.by_name: dict[str, Instance] = {}
+        self.position: dict[str, int] = {}   # tie-break order: the order instances joined in
+        self._next_position = 0
+        self.has_prefill_pool = False
+        self.index = index if index is not None else PrefixIndex()
+        for inst in instances:
+            self.add(inst)
+        if not dynamic:
+            if not self.instances:
+                raise ValueError("instances: the router needs at least one")
+            if self.has_prefill_pool and not any(inst.role == "decode" for inst in self.instances):
+                raise ValueError("instances: prefill instances need decode instances to hand their KV to")
+            if not any(inst.role in ("decode", "colocated") for inst in self.instances):
+                raise ValueError("instances: the router needs decode or colocated instances")
         self.config = config or RouterConfig()
         if isinstance(policy, str):
             if policy not in POLICIES:
                 raise ValueError(f"policy: one of {', '.join(POLICIES)}, got {policy!r}")
             policy = POLICIES[policy](self.config)
         self.policy = policy
-        self.index = index if index is not None else PrefixIndex()
-        self.position = {inst.name: i for i, inst in enumerate(self.instances)}
-        self.has_prefill_pool = any(inst.role == "prefill" for inst in self.instances)
-        if self.has_prefill_pool and not any(inst.role == "decode" for inst in self.instances):
-            raise ValueError("instances: prefill instances need decode instances to hand their KV to")
-        if not any(inst.role in ("decode", "colocated") for inst in self.instances):
-            raise ValueError("instances: the router needs decode or colocated instances")
         # Plain counters for /metrics and /cluster.
         self.decisions: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.picks: dict[str, int] = {}           # "stage:outcome" → count, e.g. "prefill:spill"
         self.num_no_candidate = self.num_replacements = self.num_no_replacement = 0
+
+    # --- membership ---------------------------------------------------------------------------------------
+
+    def add(self, inst: Instance) -> None:
+        """A new instance joins its pool (routable at once; its first poll brings its load)."""
+        if inst.name in self.by_name:
+            raise ValueError(f"instances: names must be unique, {inst.name!r} is already routed to")
+        self.instances.append(inst)   # in place: the monitor polls this very list
+        self.by_name[inst.name] = inst
+        self.position[inst.name] = self._next_position
+        self._next_position += 1
+        self.has_prefill_pool = self.has_prefill_pool or inst.role == "prefill"
+
+    def remove(self, name: str) -> Instance | None:
+        """No new request goes to `name`; the hops it has finish on their own (they hold its record).
+        Its cached blocks are forgotten. None when it was not routed to."""
+        inst = self.by_name.pop(name, None)
+        if inst is None:
+            return None
+        self.instances.remove(inst)
+        inst.removed = True   # a poll of it still in flight must not bring it back into the index
+        del self.position[name]
+        self.index.release(name)
+        self.has_prefill_pool = any(i.role == "prefill" for i in self.instances)
+        return inst
 
     @property
     def mode(self) -> str:

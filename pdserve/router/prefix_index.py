@@ -29,8 +29,10 @@ class PrefixIndex:
         # bytes more each (millions of them at hundreds of instances), and match becomes one integer AND
         # per block instead of a loop over the instances still matching. The per-instance sets remain the
         # main cost, ~100 bytes per (instance, cached block): they make a reset O(that instance's blocks).
-        self._ids: dict[str, int] = {}                   # instance → its bit; never reused
-        self._names: list[str] = []                      # bit → instance
+        self._ids: dict[str, int] = {}                   # instance → its bit
+        self._names: list[str | None] = []               # bit → instance (None: free)
+        self._free_bits: list[int] = []                  # of instances removed: a cluster that replaces
+                                                         # instances for weeks keeps its masks short
         self._holders: dict[int, int] = {}               # hash → mask of instances with a confirmed entry
         self._confirmed: dict[str, set[int]] = {}        # instance → its confirmed hashes
         self._predicted: dict[int, dict[str, float]] = {}  # hash → instance → expiry
@@ -104,6 +106,14 @@ class PrefixIndex:
         """The instance was removed or restarted: its cache and its sequence numbers are gone."""
         self._drop_instance(name)
         self._last_seq.pop(name, None)
+
+    def release(self, name: str) -> None:
+        """The instance left the cluster for good: forget it and give its bit to the next one (no mask holds
+        it once its entries are dropped)."""
+        self.forget(name)
+        if (bit := self._ids.pop(name, None)) is not None:
+            self._names[bit] = None
+            self._free_bits.append(bit)
 
     # --- predictions --------------------------------------------------------------------------------------
 
@@ -193,8 +203,12 @@ class PrefixIndex:
 
     def _bit(self, name: str) -> int:
         if name not in self._ids:
-            self._ids[name] = len(self._names)
-            self._names.append(name)
+            if self._free_bits:
+                self._ids[name] = self._free_bits.pop()
+                self._names[self._ids[name]] = name
+            else:
+                self._ids[name] = len(self._names)
+                self._names.append(name)
         return 1 << self._ids[name]
 
     def _count(self, mask: int, num_blocks: int, counts: dict[str, int]) -> None:

@@ -136,8 +136,8 @@ class Proxy:
         # the background. A smaller pool would make requests past it wait for a slot and time out as if
         # the backend had (a 502 blaming a healthy instance) instead of the 503 admission gives. The
         # monitor's polls share it: one connection per instance.
-        connector = aiohttp.TCPConnector(limit=2 * self.max_in_flight + len(self.router.instances),
-                                         limit_per_host=0)
+        connector = aiohttp.TCPConnector(limit=2 * self.max_in_flight + max(len(self.router.instances),
+                                                                            MAX_POLLED_INSTANCES), limit_per_host=0)
         self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
         if self.startup_timeout:
             try:
@@ -154,6 +154,35 @@ class Proxy:
         if self.tokenizers is not None:
             self.tokenizers.shutdown()
         await self.session.close()
+
+    def set_members(self, members: Sequence[tuple[str, str, str]]) -> tuple[list[str], list[str]]:
+        """Follow a cluster whose instances come and go (docs/ray.md): `members` is every instance that should
+        take requests now, as (name, url, role). New ones are routed to at once, the others leave routing (their
+        hops in flight end on their own). Returns the names (added, removed). ValueError on a malformed or
+        inconsistent list, with nothing changed."""
+        wanted: dict[str, tuple[str, str]] = {}
+        urls: dict[str, str] = {}
+        for name, url, role in members:
+            url = normalize_url(url)
+            if role not in ("prefill", "decode", "colocated"):
+                raise ValueError(f"members: {name}: role {role!r}")
+            if name in wanted or url in urls:
+                raise ValueError(f"members: {name} ({url}) given twice")
+            wanted[name], urls[url] = (url, role), name
+        current = {inst.name: inst for inst in self.router.instances}
+        removed = [name for name, inst in current.items() if (inst.url, inst.role) != wanted.get(name)]
+        for name in removed:
+            inst = self.router.remove(name)
+            self.monitor.forget(name)
+            self.names.pop(inst.url, None)
+        added = [name for name in wanted if name not in self.router.by_name]
+        for name in added:
+            url, role = wanted[name]
+            self.router.add(Instance(name, url, role))
+            self.names[url] = name
+        if added:
+            self.pulse_capacity()   # requests waiting for an instance with room look again
+        return added, removed
 
     def pulse_capacity(self) -> None:
         self.capacity.set()
@@ -439,6 +468,7 @@ class RouterTokenizers:
 
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
+MAX_POLLED_INSTANCES = 1024   # room in the connection pool for polls of instances that join later
 
 
 def normalize_url(url: str) -> str:
@@ -469,18 +499,22 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
                     router_config: RouterConfig | None = None, tokenizer: Any = None,
                     poll_interval: float = DEFAULT_POLL_INTERVAL_S, eject_after: int = DEFAULT_EJECT_AFTER,
                     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_queued: int = DEFAULT_MAX_QUEUED,
-                    startup_timeout: float | None = None) -> web.Application:
+                    startup_timeout: float | None = None, dynamic: bool = False) -> web.Application:
     """Prefill and decode instances (P/D), colocated instances, or all three (the router may then send a
     request to a colocated instance instead of splitting it).
 
     timeout: seconds a backend may stay silent (between bytes) before the hop fails.
     startup_timeout: when given, the app's start waits for every instance to answer its /v1/load with the
     role of its pool, and fails (StartupError naming it) when one does not within that many seconds.
+    dynamic: the pools follow `Proxy.set_members` (a Ray cluster's registry); the URL lists may be empty.
     """
-    if bool(prefill_urls) != bool(decode_urls):
+    if dynamic:
+        if prefill_urls or decode_urls or colocated_urls:
+            raise ValueError("dynamic: the instances come from set_members, not URL lists")
+    elif bool(prefill_urls) != bool(decode_urls):
         raise ValueError("prefill_urls/decode_urls: P/D needs at least one of each (prefill instances hand their "
                          "KV to decode instances)")
-    if not (prefill_urls or colocated_urls):
+    elif not (prefill_urls or colocated_urls):
         raise ValueError("prefill_urls/decode_urls/colocated_urls: give P and D instances, colocated ones, or both")
     for name, value, low in (("max_in_flight", max_in_flight, 1), ("max_recoveries", max_recoveries, 0),
                              ("eject_after", eject_after, 1), ("max_queued", max_queued, 0)):
@@ -489,9 +523,9 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
     if not poll_interval > 0:
         raise ValueError(f"poll_interval: must be > 0 seconds, got {poll_interval}")
     instances = build_instances(prefill_urls, decode_urls, colocated_urls or ())
-    router = Router(instances, policy, router_config or RouterConfig())
+    router = Router(instances, policy, router_config or RouterConfig(), dynamic=dynamic)
     headers = {ROUTER_KEY_HEADER: router_key} if router_key is not None else {}
-    monitor = Monitor(instances, router.index, headers=headers, interval=poll_interval, eject_after=eject_after)
+    monitor = Monitor(router.instances, router.index, headers=headers, interval=poll_interval, eject_after=eject_after)
     proxy = Proxy(router, monitor, api_key, timeout, connect_timeout, router_key=router_key,
                   max_in_flight=max_in_flight, body_timeout=body_timeout, max_body_bytes=max_body_bytes,
                   max_recoveries=max_recoveries, tokenizer=tokenizer, queue_timeout=queue_timeout,
