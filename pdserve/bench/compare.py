@@ -45,7 +45,7 @@ from pdserve.bench.cli import _HelpFormatter, _add_workload_args, _positive_int,
 from pdserve.bench.metrics import format_rate, max_rate_meeting_slo, parse_rate
 from pdserve.bench.plots import plot_sweeps, require_matplotlib
 from pdserve.bench.runner import BenchConfig, run_benchmark, run_sweep
-from pdserve.cluster import ChildProcesses, split_cores
+from pdserve.cluster.local import ChildProcesses, split_cores
 
 CONFIG_NAMES = ("colocated", "colocated-chunked", "disaggregated")
 KV_CONNECTORS = ("nixl", "nixl-push", "cuda_ipc")

@@ -613,23 +613,28 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         "up at start; 0: serve at once (an instance that does not answer is ejected by the polls)")
 
 
+def proxy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """build_proxy_app's keyword arguments from `pdserve proxy`'s flags (not the pools, not the tokenizer):
+    shared with the Ray router actor, which takes the same flags. ValueError on a bad value."""
+    config = RouterConfig(pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+                          max_per_instance=args.max_per_instance, max_held_fraction=args.max_held_fraction,
+                          cost_tolerance=args.cost_tolerance)
+    return dict(api_key=args.api_key, timeout=args.timeout, router_key=args.router_key,
+                max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
+                max_recoveries=args.max_recoveries, policy=args.policy, router_config=config,
+                poll_interval=args.poll_interval, eject_after=args.eject_after,
+                queue_timeout=args.queue_timeout, max_queued=args.max_queued)
+
+
 def main_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = RouterConfig(pd_min_prompt_tokens=args.pd_min_prompt_tokens,
-                              max_per_instance=args.max_per_instance, max_held_fraction=args.max_held_fraction,
-                              cost_tolerance=args.cost_tolerance)
         tokenizer = None
         if args.model is not None:
             from pdserve.model.loader import load_tokenizer
             tokenizer = load_tokenizer(args.model)
-        app = build_proxy_app(args.prefill, args.decode, args.colocated, api_key=args.api_key,
-                              timeout=args.timeout, router_key=args.router_key, max_in_flight=args.max_in_flight,
-                              max_body_bytes=args.max_body_bytes, max_recoveries=args.max_recoveries,
-                              policy=args.policy, router_config=config, tokenizer=tokenizer,
-                              poll_interval=args.poll_interval, eject_after=args.eject_after,
-                              queue_timeout=args.queue_timeout, max_queued=args.max_queued,
-                              startup_timeout=args.startup_timeout)
+        app = build_proxy_app(args.prefill, args.decode, args.colocated, tokenizer=tokenizer,
+                              startup_timeout=args.startup_timeout, **proxy_kwargs(args))
     except (ValueError, OSError) as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2

@@ -7,12 +7,12 @@ import types
 import pytest
 
 from pdserve import cli
-from pdserve.cluster import instance_command
+from pdserve.cluster.local import instance_command
 
 
 def fake_children(monkeypatch) -> list:
     """`up`'s children replaced by records of (command, environment); it stops at the health wait."""
-    from pdserve import cluster
+    from pdserve.cluster import local as cluster
     started = []
 
     class FakeChildren:
@@ -42,7 +42,7 @@ def test_role_flags_come_last_so_they_win():
 
 def test_up_passes_role_flags_to_their_side_and_refuses_bad_ones(monkeypatch, capsys):
     calls = {}
-    monkeypatch.setattr("pdserve.cluster.run_cluster", lambda **kw: calls.update(kw) or 0)
+    monkeypatch.setattr("pdserve.cluster.local.run_cluster", lambda **kw: calls.update(kw) or 0)
     argv = ["up", "--max-num-seqs", "128", "--prefill-args", "--max-num-batched-tokens 8192",
             "--decode-args", "--max-num-seqs 512 --no-prefix-caching"]
     assert cli.main(argv) == 0
@@ -79,7 +79,7 @@ def test_keys_come_from_the_environment(monkeypatch):
 
 
 def test_up_hands_keys_to_children_through_the_environment_only(monkeypatch):
-    from pdserve import cluster
+    from pdserve.cluster import local as cluster
     started = fake_children(monkeypatch)
     monkeypatch.delenv("PDSERVE_ROUTER_KEY", raising=False)
     assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
@@ -102,7 +102,7 @@ def test_a_colocated_instance_has_no_kv_connector():
 
 def test_up_checks_its_pools_gpus_and_proxy_flags(monkeypatch, capsys):
     calls = {}
-    monkeypatch.setattr("pdserve.cluster.run_cluster", lambda **kw: calls.update(kw) or 0)
+    monkeypatch.setattr("pdserve.cluster.local.run_cluster", lambda **kw: calls.update(kw) or 0)
     assert cli.main(["up", "--num-colocated", "2", "--policy", "cost", "--pd-min-prompt-tokens", "64",
                      "--cost-tolerance", "0.1", "--gpus", "0,1", "--proxy-args=--max-per-instance 8"]) == 0
     assert calls["num_colocated"] == 2 and calls["gpus"] == [0, 1]
@@ -119,7 +119,7 @@ def test_up_checks_its_pools_gpus_and_proxy_flags(monkeypatch, capsys):
 
 @pytest.mark.parametrize("counts", [(1, 0, 0), (0, 1, 0), (0, 0, 0), (-1, 1, 0)])
 def test_up_refuses_pools_that_cannot_serve(counts, capsys):
-    from pdserve import cluster
+    from pdserve.cluster import local as cluster
     num_prefill, num_decode, num_colocated = counts
     assert cluster.run_cluster(model="default", num_prefill=num_prefill, num_decode=num_decode,
                                num_colocated=num_colocated, host="127.0.0.1", port=9000, serve_args=[],
@@ -128,7 +128,7 @@ def test_up_refuses_pools_that_cannot_serve(counts, capsys):
 
 
 def test_the_supervisor_restarts_a_dead_instance_with_backoff_and_gives_up_on_the_router(monkeypatch):
-    from pdserve import cluster
+    from pdserve.cluster import local as cluster
 
     class Proc:
         def __init__(self, pid):
@@ -166,7 +166,7 @@ def test_the_supervisor_restarts_a_dead_instance_with_backoff_and_gives_up_on_th
 
 def test_instances_outnumbering_cores_share_them_with_their_share_of_threads():
     """Four instances on two cores: unpinned, one thread each (issue 15: no timing race decides it)."""
-    from pdserve.cluster import split_cores, threads_per_instance
+    from pdserve.cluster.local import split_cores, threads_per_instance
     assert split_cores(4, [0, 1]) == [None] * 4 and threads_per_instance(4, [0, 1]) == 1
     assert split_cores(2, [0, 1, 2, 3]) == [[0, 1], [2, 3]] and threads_per_instance(3, range(8)) == 2
     cmd = instance_command("producer", 0, 8001, model="default", host="127.0.0.1", serve_args=[], role_args=[],
@@ -193,7 +193,7 @@ def test_an_engine_uses_one_thread_per_allowed_core_unless_told(monkeypatch):
 def test_instances_sharing_a_gpu_each_get_their_part_of_its_memory(monkeypatch):
     """Three instances on two GPUs: the two on GPU 0 get 0.45 each (before, each asked for the default 0.9
     and the second found no room), the one alone on GPU 1 keeps serve's default; a role's own flag wins."""
-    from pdserve import cluster
+    from pdserve.cluster import local as cluster
     started = fake_children(monkeypatch)
     assert cluster.run_cluster(model="default", num_prefill=2, num_decode=1, host="127.0.0.1", port=9000,
                                serve_args=[], kv_transfer_config=None, device="cuda", gpus=[0, 1],
@@ -215,7 +215,7 @@ def test_the_store_flags_are_checked_at_start(monkeypatch, capsys):
 
 
 def test_up_with_the_store_starts_it_and_points_every_instance_at_it(monkeypatch):
-    from pdserve import cluster
+    from pdserve.cluster import local as cluster
     started = fake_children(monkeypatch)
     monkeypatch.setattr(cluster, "wait_listening", lambda *a: None)
     assert cli.main(["up", "--kv-connector", "store", "--num-colocated", "1", "--port", "8100",
@@ -231,7 +231,7 @@ def test_up_with_the_store_starts_it_and_points_every_instance_at_it(monkeypatch
 
 
 def test_a_tensor_parallel_instance_gets_consecutive_gpus_and_a_core_share_per_rank(monkeypatch):
-    from pdserve import cluster
+    from pdserve.cluster import local as cluster
     assert cluster.tensor_parallel_size(["--tensor-parallel-size", "2", "-tp=4"]) == 4
     assert cluster.tensor_parallel_size(["--max-num-seqs", "8"]) == 1
     assert cluster.place_on_gpus([2, 1, 1, 2], [0, 1, 2, 3]) == [[0, 1], [2], [3], [0, 1]]
@@ -253,13 +253,13 @@ def test_a_tensor_parallel_instance_gets_consecutive_gpus_and_a_core_share_per_r
 
 def test_up_gives_every_instance_its_tensor_parallel_size(monkeypatch):
     calls = {}
-    monkeypatch.setattr("pdserve.cluster.run_cluster", lambda **kw: calls.update(kw) or 0)
+    monkeypatch.setattr("pdserve.cluster.local.run_cluster", lambda **kw: calls.update(kw) or 0)
     assert cli.main(["up", "-tp", "2"]) == 0
     assert calls["serve_args"][-2:] == ["--tensor-parallel-size", "2"]
 
 
 def test_up_refuses_tensor_parallel_instances_it_cannot_pair(capsys):
-    from pdserve import cluster
+    from pdserve.cluster import local as cluster
     assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
                                serve_args=["-tp", "2"], kv_transfer_config=None, device="cpu",
                                decode_args=["--tensor-parallel-size", "3"]) == 2
@@ -280,3 +280,25 @@ def test_up_refuses_tensor_parallel_instances_it_cannot_pair(capsys):
     assert "-tp: must be >= 1, got 0" in capsys.readouterr().err
     assert cli.main(["up", "--num-colocated", "1", "--colocated-args=--tensor 3"]) == 2
     assert "unrecognized arguments: --tensor 3" in capsys.readouterr().err
+
+
+def test_up_ray_builds_the_pool_spec_and_refuses_bad_ray_flags(monkeypatch, capsys):
+    calls = {}
+    monkeypatch.setattr("pdserve.cluster.ray.run_ray_cluster", lambda spec, **kw: calls.update(spec=spec, **kw) or 0)
+    argv = ["up", "--ray", "--num-decode", "2", "--policy", "cost", "--pd-min-prompt-tokens", "32",
+            "--ray-cpus-per-instance", "2", "--ray-resources", 'decode={"h200": 1}',
+            "--decode-args", "--max-num-seqs 64", "--proxy-args", "--max-per-instance 8", "--port", "8123"]
+    assert cli.main(argv) == 0
+    spec = calls["spec"]
+    assert calls["address"] is None and (calls["num_prefill"], calls["num_decode"]) == (1, 2)
+    assert spec.cpus_per_instance == 2 and spec.extra_resources == {"decode": {"h200": 1.0}}
+    assert spec.role_args["decode"] == ["--max-num-seqs", "64"] and spec.router_port == 8123
+    kwargs = spec.router_kwargs
+    assert kwargs["policy"] == "cost" and kwargs["router_key"] == spec.router_key
+    assert kwargs["router_config"].pd_min_prompt_tokens == 32 and kwargs["router_config"].max_per_instance == 8
+    assert cli.main(["up", "--ray", "auto"]) == 0 and calls["address"] == "auto"
+    for bad in (["--ray-resources", "decoder={}"], ["--ray-resources", 'decode={"x": -1}'],
+                ["--ray-resources", "decode=[1]"], ["--ray-cpus-per-instance", "0"],
+                ["--kv-connector", "store"], ["--proxy-args", "--max-per-instance 0"]):
+        assert cli.main(["up", "--ray", *bad]) == 2, bad
+        assert capsys.readouterr().err.startswith("pdserve up"), bad

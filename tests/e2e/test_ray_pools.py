@@ -1,0 +1,167 @@
+"""pdserve's pools on a Ray cluster of two nodes on this machine (a head and a second node with its own
+resources): 1P1D placed across the nodes answers token-identical to a colocated instance; an instance actor
+killed is dropped by the router and replaced by the controller; pools resized under load fail no request;
+stopping leaves no server behind."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pdserve.cluster.ray import CONTROLLER_NAME, NAMESPACE, Controller, PoolSpec, remote_class  # noqa: E402
+from pdserve.router.policy import RouterConfig  # noqa: E402
+from tests.e2e.cluster import INSTANCE_ARGS, free_port, serve, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CHATS = ["What is the capital of France? Answer in one word and then explain the history of the city.",
+         "Write a haiku about autumn leaves falling on a quiet lake at dusk, then explain its imagery.",
+         "Explain in two sentences how TCP differs from UDP, and when you would choose each of them."]
+MAX_TOKENS = 16
+
+
+def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def chat(url: str, text: str) -> tuple[int, dict]:
+    return post(url, {"model": "default", "messages": [{"role": "user", "content": text}],
+                      "max_tokens": MAX_TOKENS, "temperature": 0})
+
+
+@pytest.fixture(scope="module")
+def pools():
+    from ray.cluster_utils import Cluster
+    # Logical CPUs: two per node whatever the machine has; the instances each hold one.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 100},
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=2, resources={"node_b": 100})
+    controller = None
+    try:
+        ray.init(address=cluster.address, namespace=NAMESPACE, logging_level="WARNING")
+        cluster.wait_for_nodes()
+        router_port = free_port()
+        spec = PoolSpec(model="default", serve_args=INSTANCE_ARGS[:-2],   # less its drain: the spec's
+                        role_args={}, kv_transfer_config='{"lease_seconds": 8, "heartbeat_seconds": 1}',
+                        cpus_per_instance=1, extra_resources={"prefill": {"node_a": 1}, "decode": {"node_b": 1}},
+                        instance_host="127.0.0.1", router_port=router_port, drain_timeout=2.0,
+                        router_kwargs={"policy": "round-robin", "poll_interval": 0.1,
+                                       "router_config": RouterConfig(pd_min_prompt_tokens=0)})
+        spec.router_kwargs["router_key"] = spec.router_key
+        controller = remote_class(ray, Controller).options(
+            num_cpus=0, max_concurrency=8, name=CONTROLLER_NAME, namespace=NAMESPACE).remote(spec)
+        url = ray.get(controller.start.remote(1, 1, 0), timeout=120)
+        assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=240), \
+            ray.get(controller.status.remote())
+        yield {"url": url, "controller": controller}
+    finally:
+        if controller is not None:
+            ray.get(controller.stop.remote(), timeout=60)
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def status(pools) -> dict:
+    return ray.get(pools["controller"].status.remote(), timeout=30)
+
+
+def test_pd_across_two_nodes_answers_token_identical_to_colocated(pools):
+    instances = {i["role"]: i for i in status(pools)["instances"]}
+    assert instances["prefill"]["node"] != instances["decode"]["node"]   # placed on node_a and node_b
+    colocated = serve("ray-colocated-reference").wait_healthy()
+    try:
+        for text in CHATS:
+            code, pd = chat(pools["url"], text)
+            assert code == 200, pd
+            code, ref = chat(colocated.url, text)
+            assert code == 200, ref
+            assert pd["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+    finally:
+        colocated.stop()
+    with urllib.request.urlopen(pools["url"] + "/cluster", timeout=10) as r:
+        cluster = json.loads(r.read())
+    assert cluster["decisions"]["disaggregated"] >= len(CHATS)
+
+
+def test_a_killed_instance_actor_is_dropped_and_replaced(pools):
+    before = {i["name"]: i for i in status(pools)["instances"]}
+    decode = next(i for i in before.values() if i["role"] == "decode")
+    ray.kill(ray.get_actor(f"pdserve-{decode['name']}", namespace=NAMESPACE), no_restart=True)
+    # Its server dies with it (PR_SET_PDEATHSIG), the router stops sending to it, a new D takes its place.
+    assert wait_until(lambda: not os.path.exists(f"/proc/{decode['pid']}"), timeout=15)
+    assert wait_until(lambda: ray.get(pools["controller"].ready.remote())
+                      and decode["name"] not in {i["name"] for i in status(pools)["instances"]}, timeout=180)
+    after = [i for i in status(pools)["instances"] if i["role"] == "decode"]
+    assert len(after) == 1 and after[0]["name"] != decode["name"]
+    with urllib.request.urlopen(pools["url"] + "/cluster", timeout=10) as r:
+        names = {i["name"] for i in json.loads(r.read())["instances"]}
+    assert decode["name"] not in names and after[0]["name"] in names
+    assert any(f"{decode['name']} lost" in e for e in status(pools)["events"])
+    code, body = chat(pools["url"], CHATS[0])
+    assert code == 200, body
+
+
+def test_scaling_up_and_down_under_load_fails_no_request(pools):
+    results: list[int] = []
+    stop = threading.Event()
+
+    def client():
+        i = 0
+        while not stop.is_set():
+            code, body = chat(pools["url"], f"{CHATS[i % len(CHATS)]} ({i})")
+            results.append(code if code == 200 else (code, body))
+            i += 1
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        controller = pools["controller"]
+        ray.get(controller.scale.remote(None, 2, None), timeout=30)
+        assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=180), status(pools)
+        assert len([i for i in status(pools)["instances"] if i["role"] == "decode"]) == 2
+        served_before = len(results)
+        time.sleep(3)
+        ray.get(controller.scale.remote(None, 1, None), timeout=30)
+        assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=120), status(pools)
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+    assert len(results) > served_before > 0
+    assert all(r == 200 for r in results), [r for r in results if r != 200]
+    assert len([i for i in status(pools)["instances"] if i["role"] == "decode"]) == 1
+    assert any("drained" in e for e in status(pools)["events"])
+
+
+def test_a_size_that_cannot_serve_is_refused_and_changes_nothing(pools):
+    controller = pools["controller"]
+    wanted = status(pools)["wanted"]
+    for sizes in ((1, 0, 0), (0, 0, 0), (-1, 1, 0)):
+        with pytest.raises(ray.exceptions.RayTaskError) as e:
+            ray.get(controller.scale.remote(*sizes), timeout=30)
+        assert isinstance(e.value.cause, ValueError)
+    assert status(pools)["wanted"] == wanted
+
+
+def test_stopping_the_pools_leaves_no_server(pools):
+    """Last: stops the controller's pools (the fixture's stop then has nothing left to do)."""
+    pids = {i["pid"] for i in status(pools)["instances"]}
+    assert pids and all(os.path.exists(f"/proc/{pid}") for pid in pids)
+    ray.get(pools["controller"].stop.remote(), timeout=60)
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), timeout=20)
+    with pytest.raises(urllib.error.URLError):   # the router actor is gone too
+        chat(pools["url"], CHATS[0])
