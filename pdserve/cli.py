@@ -204,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ray-instance-host", default=None, metavar="HOST",
                    help="the address every instance binds and advertises (default: 127.0.0.1 on a new local Ray "
                         "instance, else its node's address as Ray knows it)")
+    g.add_argument("--autoscale", action="store_true",
+                   help="let the controller resize the prefill and decode pools from the router's view of them "
+                        "(queued prefill time against --slo-ttft-ms, decode step time and KV usage against "
+                        "--slo-tpot-ms), with hysteresis; --num-prefill/--num-decode are the start")
+    g.add_argument("--max-instances", type=int, default=8, help="--autoscale: most P + D instances (default 8)")
+    g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="--autoscale: time to first token SLO (2000)")
+    g.add_argument("--slo-tpot-ms", type=float, default=50.0, help="--autoscale: time per output token SLO (50)")
+    g.add_argument("--autoscale-cooldown", type=float, default=30.0,
+                   help="--autoscale: seconds after a change before the next (default 30)")
     up.set_defaults(func=up_main)
 
     scale = sub.add_parser("scale", help="resize the pools of a `pdserve up --ray` cluster",
@@ -427,10 +436,23 @@ def up_ray(args: argparse.Namespace, serve_args: list[str], role_args: dict[str,
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
+    autoscale = None
+    if args.autoscale:
+        from pdserve.cluster.autoscale import AutoscaleConfig
+        try:
+            autoscale = AutoscaleConfig(slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000,
+                                        max_instances=args.max_instances, cooldown_s=args.autoscale_cooldown)
+        except ValueError as e:
+            print(f"pdserve up: --autoscale: {e}", file=sys.stderr)
+            return 2
+        if not (args.num_prefill and args.num_decode):
+            print("pdserve up: --autoscale resizes P/D pools: start with --num-prefill and --num-decode >= 1",
+                  file=sys.stderr)
+            return 2
     spec = PoolSpec(model=args.model, serve_args=serve_args, role_args=role_args, kv_connector=args.kv_connector,
                     kv_transfer_config=args.kv_transfer_config, cpus_per_instance=args.ray_cpus_per_instance,
                     device=args.device, tp_size=args.tensor_parallel_size or 1, extra_resources=extra,
-                    instance_host=args.ray_instance_host, router_host=args.host,
+                    instance_host=args.ray_instance_host, autoscale=autoscale, router_host=args.host,
                     router_port=args.port, router_kwargs=kwargs, api_key=args.api_key)
     spec.router_kwargs["router_key"] = spec.router_key
     return run_ray_cluster(spec, address=args.ray or None, num_prefill=args.num_prefill, num_decode=args.num_decode,

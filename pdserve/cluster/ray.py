@@ -33,6 +33,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.cluster.autoscale import AutoscaleConfig, Autoscaler
 from pdserve.cluster.local import RESTART_BACKOFF_S, ROLE_NAMES, STOP_TIMEOUT_S, instance_command
 from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV
 
@@ -78,6 +79,8 @@ class PoolSpec:
     api_key: str | None = None
     router_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     drain_timeout: float = 10.0
+    autoscale: AutoscaleConfig | None = None  # None: the sizes change only by `pdserve scale`
+    autoscale_interval_s: float = 5.0
 
 
 # --- the instance ---------------------------------------------------------------------------------------
@@ -178,6 +181,10 @@ class RouterActor:
     async def set_members(self, members: list[tuple[str, str, str]]) -> tuple[list[str], list[str]]:
         return self.proxy.set_members(members)
 
+    async def cluster_status(self) -> dict:
+        """GET /cluster's instances and counters (what the autoscaler reads)."""
+        return self.proxy.router.cluster_status()
+
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
@@ -223,6 +230,8 @@ class Controller:
         self.events: list[str] = []    # what happened, newest last (status shows the tail)
         self.stopping = False
         self.thread: threading.Thread | None = None
+        self.autoscaler = Autoscaler(spec.autoscale) if spec.autoscale is not None else None
+        self.next_decision = 0.0
 
     def start(self, num_prefill: int, num_decode: int, num_colocated: int) -> str:
         """The router on the head node, then the pools; returns the router's URL at once (instances join
@@ -258,9 +267,21 @@ class Controller:
             self.wanted = wanted
             return dict(wanted)
 
+    def set_autoscale(self, config: AutoscaleConfig | None, interval_s: float | None = None) -> None:
+        """Turn the autoscaler on (with a fresh history) or off (None) on a running cluster."""
+        with self.lock:
+            self.autoscaler = Autoscaler(config) if config is not None else None
+            if interval_s is not None:
+                self.spec.autoscale_interval_s = interval_s
+            self.next_decision = 0.0
+            self.log(f"autoscale {'on' if config is not None else 'off'}")
+
     def status(self) -> dict:
         with self.lock:
-            return {"router": self.router_url, "wanted": dict(self.wanted),
+            autoscale = None
+            if self.autoscaler is not None:
+                autoscale = {"decisions": dict(self.autoscaler.counts), "pressure": dict(self.autoscaler.last_pressure)}
+            return {"router": self.router_url, "wanted": dict(self.wanted), "autoscale": autoscale,
                     "instances": [{"name": m.name, "role": m.role, "state": m.state, "url": m.url, "node": m.node,
                                    "pid": m.pid} for m in self.members.values()],
                     "events": self.events[-50:]}
@@ -293,9 +314,25 @@ class Controller:
     def tick(self, now: float) -> None:
         self.check_starting(now)
         self.check_serving(now)
+        self.autoscale(now)
         self.converge(now)
         self.push_members()
         self.check_draining()
+
+    def autoscale(self, now: float) -> None:
+        if self.autoscaler is None or now < self.next_decision or self.router is None:
+            return
+        self.next_decision = now + self.spec.autoscale_interval_s
+        ray = require_ray()
+        try:
+            status = ray.get(self.router.cluster_status.remote(), timeout=5.0)
+        except Exception as e:
+            self.log(f"autoscale: no cluster status from the router: {type(e).__name__}")
+            return
+        decision = self.autoscaler.decide(status, self.wanted, self.ready(), now)
+        if decision is not None:
+            self.log(f"autoscale: {decision.reason}")
+            self.scale(decision.prefill, decision.decode)
 
     def check_starting(self, now: float) -> None:
         ray = require_ray()

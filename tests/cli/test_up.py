@@ -302,3 +302,16 @@ def test_up_ray_builds_the_pool_spec_and_refuses_bad_ray_flags(monkeypatch, caps
                 ["--kv-connector", "store"], ["--proxy-args", "--max-per-instance 0"]):
         assert cli.main(["up", "--ray", *bad]) == 2, bad
         assert capsys.readouterr().err.startswith("pdserve up"), bad
+
+
+def test_up_ray_autoscale_flags_reach_the_spec_and_bad_ones_are_refused(monkeypatch, capsys):
+    calls = {}
+    monkeypatch.setattr("pdserve.cluster.ray.run_ray_cluster", lambda spec, **kw: calls.update(spec=spec, **kw) or 0)
+    assert cli.main(["up", "--ray"]) == 0 and calls["spec"].autoscale is None
+    assert cli.main(["up", "--ray", "--autoscale", "--max-instances", "6", "--slo-ttft-ms", "500",
+                     "--slo-tpot-ms", "20"]) == 0
+    cfg = calls["spec"].autoscale
+    assert (cfg.max_instances, cfg.slo_ttft_s, cfg.slo_tpot_s) == (6, 0.5, 0.02)
+    for bad in (["--max-instances", "1"], ["--slo-tpot-ms", "0"], ["--num-prefill", "0", "--num-colocated", "1"]):
+        assert cli.main(["up", "--ray", "--autoscale", *bad]) == 2, bad
+        assert "--autoscale" in capsys.readouterr().err, bad

@@ -15,6 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from pdserve.cluster.autoscale import AutoscaleConfig  # noqa: E402
 from pdserve.cluster.ray import CONTROLLER_NAME, NAMESPACE, Controller, PoolSpec, remote_class  # noqa: E402
 from pdserve.router.policy import RouterConfig  # noqa: E402
 from tests.e2e.cluster import INSTANCE_ARGS, free_port, serve, wait_until  # noqa: E402
@@ -145,6 +146,26 @@ def test_scaling_up_and_down_under_load_fails_no_request(pools):
     assert all(r == 200 for r in results), [r for r in results if r != 200]
     assert len([i for i in status(pools)["instances"] if i["role"] == "decode"]) == 1
     assert any("drained" in e for e in status(pools)["events"])
+
+
+def test_the_autoscaler_shrinks_an_idle_decode_pool_to_its_minimum(pools):
+    controller = pools["controller"]
+    ray.get(controller.scale.remote(None, 2, None), timeout=30)
+    assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=180), status(pools)
+    # Idle: every pressure is ~0, under `down`; one decision in a row suffices, no cooldown.
+    config = AutoscaleConfig(up=50.0, down=0.5, patience=1, cooldown_s=0.0, max_instances=4)
+    ray.get(controller.set_autoscale.remote(config, 0.5), timeout=30)
+    try:
+        assert wait_until(lambda: status(pools)["wanted"]["decode"] == 1, timeout=60), status(pools)
+        assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=60), status(pools)
+        report = status(pools)
+        assert report["wanted"]["prefill"] == 1   # already at its minimum
+        assert report["autoscale"]["decisions"].get("decode_down") == 1
+        assert any("autoscale: decode_down" in e for e in report["events"])
+    finally:
+        ray.get(controller.set_autoscale.remote(None), timeout=30)
+    code, body = chat(pools["url"], CHATS[1])
+    assert code == 200, body
 
 
 def test_a_size_that_cannot_serve_is_refused_and_changes_nothing(pools):
