@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Set the wanted size of each pool of a running `pdserve up --ray` "
                                        "cluster. New instances join the router once healthy; removed ones "
                                        "leave the router first, then finish their requests (--drain-timeout) "
-                                       "and stop.")
+                                       "and stop. Without sizes: print the pools, the autoscaler's decisions "
+                                       "and the controller's last events.")
     scale.add_argument("--address", default="auto", help="the Ray cluster's address (default: auto)")
     scale.add_argument("--prefill", type=int, default=None, help="prefill instances wanted (default: unchanged)")
     scale.add_argument("--decode", type=int, default=None, help="decode instances wanted (default: unchanged)")
@@ -426,6 +427,10 @@ def up_ray(args: argparse.Namespace, serve_args: list[str], role_args: dict[str,
                   f"JSON an object of positive amounts", file=sys.stderr)
             return 2
         extra[pool] = {k: float(v) for k, v in resources.items()}
+    if args.ray_instance_host in ("0.0.0.0", "::"):
+        print("pdserve up: --ray-instance-host is the address each instance advertises to the router and its peers: "
+              "give a routable one (default: the node's address)", file=sys.stderr)
+        return 2
     if not args.ray_cpus_per_instance > 0:
         print("pdserve up: --ray-cpus-per-instance must be > 0", file=sys.stderr)
         return 2

@@ -45,6 +45,11 @@ TICK_S = 0.5                 # the controller's supervision period
 STATUS_TIMEOUT_S = 5.0       # an instance actor that answers no status for this long is taken for dead
 START_TIMEOUT_S = 600.0      # from placement to a healthy /health (a large model loads for minutes)
 ROUTER_ACK_TIMEOUT_S = 10.0  # the router's acknowledgement of a new member list
+MAX_POOL_SIZE = 1024         # instances one pool may be asked for (a typo must not start millions)
+MAX_STARTS_PER_TICK = 16     # placement groups asked for per tick: the controller stays responsive
+PLACEMENT_WARN_S = 10.0      # an instance not placed by then is reported as waiting for resources
+UNHEALTHY_REPLACE_S = 60.0   # a serving instance whose /health fails this long (hung) is replaced
+ROUTER_CHECK_S = 2.0         # the list is pushed this often even unchanged: a dead router is restarted
 POOL_ROLES = ("prefill", "decode", "colocated")
 KV_ROLES = {"prefill": "producer", "decode": "consumer", "colocated": "colocated"}
 PR_SET_PDEATHSIG = 1
@@ -181,6 +186,10 @@ class RouterActor:
     async def set_members(self, members: list[tuple[str, str, str]]) -> tuple[list[str], list[str]]:
         return self.proxy.set_members(members)
 
+    async def in_flight(self, names: list[str]) -> dict[str, int]:
+        """Hops still open on instances that left the list (their drain waits for these)."""
+        return {name: self.proxy.num_in_flight_on(name) for name in names}
+
     async def cluster_status(self) -> dict:
         """GET /cluster's instances and counters (what the autoscaler reads)."""
         return self.proxy.router.cluster_status()
@@ -207,6 +216,9 @@ class Member:
     status_ref: Any = None         # the status call in flight
     status_since: float = 0.0
     drain_ref: Any = None
+    drain_after: float | None = None   # the router's hops on it may end until then; SIGTERM at the latest then
+    warned: bool = False               # said it waits for resources
+    unhealthy_since: float | None = None
     url: str | None = None
     node: str | None = None
     pid: int | None = None
@@ -225,6 +237,8 @@ class Controller:
         self.router = None
         self.router_url: str | None = None
         self.pushed: list[tuple[str, str, str]] | None = None
+        self.last_push = 0.0
+        self.router_start_ref = None   # a new router actor starting (the old one died)
         self.deaths: dict[str, list[float]] = {role: [] for role in POOL_ROLES}
         self.not_before = dict.fromkeys(POOL_ROLES, 0.0)   # restart backoff per pool
         self.events: list[str] = []    # what happened, newest last (status shows the tail)
@@ -236,27 +250,62 @@ class Controller:
     def start(self, num_prefill: int, num_decode: int, num_colocated: int) -> str:
         """The router on the head node, then the pools; returns the router's URL at once (instances join
         it as they become healthy)."""
-        ray = require_ray()
-        self.router = remote_class(ray, RouterActor).options(
-            num_cpus=0, resources={"node:__internal_head__": 0.001}, name="pdserve-router", namespace=NAMESPACE).remote()
-        spec = self.spec
-        self.router_url = ray.get(self.router.start.remote(spec.router_host, spec.router_port,
-                                                           spec.router_kwargs, spec.model), timeout=300)
+        self.start_router()
         self.scale(num_prefill, num_decode, num_colocated)
         self.thread = threading.Thread(target=self.run, name="pdserve-controller", daemon=True)
         self.thread.start()
         return self.router_url
+
+    def start_router(self) -> None:
+        """The router actor on the head node, serving once this returns (at start-up)."""
+        ray = require_ray()
+        self.restart_router()
+        self.router_url = ray.get(self.router_start_ref, timeout=300)
+        self.router_start_ref = None
+
+    def restart_router(self) -> None:
+        """A new router actor, starting in the background (the ticks go on: the controller stays
+        responsive while it loads its tokenizer); it gets the list once it serves."""
+        ray = require_ray()
+        spec = self.spec
+        self.router = remote_class(ray, RouterActor).options(
+            num_cpus=0, resources={"node:__internal_head__": 0.001}, name="pdserve-router", namespace=NAMESPACE).remote()
+        self.router_start_ref = self.router.start.remote(spec.router_host, spec.router_port, spec.router_kwargs,
+                                                         spec.model)
+        self.pushed = None   # a new router knows no instance
+
+    def check_router(self) -> None:
+        ray = require_ray()
+        if self.router_start_ref is None:
+            return
+        done, _ = ray.wait([self.router_start_ref], timeout=0)
+        if not done:
+            return
+        try:
+            self.router_url = ray.get(self.router_start_ref)
+            self.log(f"router serving again at {self.router_url}")
+        except Exception as e:   # e.g. its port not free yet
+            self.log(f"the new router did not start ({type(e).__name__}: {e}); trying again")
+            try:
+                ray.kill(self.router, no_restart=True)
+            except Exception:
+                pass
+            self.restart_router()
+            return
+        self.router_start_ref = None
 
     def scale(self, num_prefill: int | None = None, num_decode: int | None = None,
               num_colocated: int | None = None) -> dict:
         """New wanted sizes (None: unchanged); the ticks converge to them. ValueError on a size that cannot
         serve (P without D, or nothing that decodes)."""
         with self.lock:
+            if self.stopping:
+                raise ValueError("the cluster is stopping")
             wanted = dict(self.wanted)
             for role, n in (("prefill", num_prefill), ("decode", num_decode), ("colocated", num_colocated)):
                 if n is not None:
-                    if not isinstance(n, int) or n < 0:
-                        raise ValueError(f"--{role}: a count >= 0, got {n!r}")
+                    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_POOL_SIZE:
+                        raise ValueError(f"--{role}: a count from 0 to {MAX_POOL_SIZE}, got {n!r}")
                     wanted[role] = n
             if wanted["prefill"] and not wanted["decode"]:
                 raise ValueError("prefill instances need decode instances to hand their KV to")
@@ -286,14 +335,18 @@ class Controller:
                                    "pid": m.pid} for m in self.members.values()],
                     "events": self.events[-50:]}
 
+    def serving_list(self) -> list[tuple[str, str, str]]:
+        return sorted((m.name, m.url, m.role) for m in self.members.values() if m.state == SERVING)
+
     def ready(self) -> bool:
-        """Every pool at its wanted size with every instance serving, and nothing draining."""
+        """Every pool at its wanted size with every instance serving, nothing draining, and the router
+        serving all of them."""
         with self.lock:
             for role in POOL_ROLES:
                 serving = [m for m in self.members.values() if m.role == role]
                 if len(serving) != self.wanted[role] or any(m.state != SERVING for m in serving):
                     return False
-            return self.pushed is not None
+            return self.router_start_ref is None and self.pushed == self.serving_list()
 
     def log(self, event: str) -> None:
         logger.info(event)
@@ -312,12 +365,13 @@ class Controller:
             time.sleep(TICK_S)
 
     def tick(self, now: float) -> None:
+        self.check_router()
         self.check_starting(now)
         self.check_serving(now)
         self.autoscale(now)
         self.converge(now)
         self.push_members()
-        self.check_draining()
+        self.check_draining(now)
 
     def autoscale(self, now: float) -> None:
         if self.autoscaler is None or now < self.next_decision or self.router is None:
@@ -340,9 +394,13 @@ class Controller:
             if m.start_ref is not None:
                 done, _ = ray.wait([m.start_ref], timeout=0)
                 if not done:
-                    if now - m.started > START_TIMEOUT_S:   # still not placed: not enough resources
-                        self.lost(m, now, f"not placed within {START_TIMEOUT_S:.0f} s (resources: "
-                                          f"{self.bundle(m.role)})")
+                    # Not placed yet: it waits for the resources (a node may join), and says so once.
+                    if not m.warned and now - m.started > PLACEMENT_WARN_S:
+                        m.warned = True
+                        free = ray.available_resources()
+                        self.log(f"{m.name} waits for resources {self.bundle(m.role)}; the cluster has "
+                                 f"{ {k: v for k, v in free.items() if k in self.bundle(m.role)} } free "
+                                 f"(add a node, or scale down)")
                     continue
                 try:
                     info = ray.get(m.start_ref)
@@ -350,6 +408,7 @@ class Controller:
                     self.lost(m, now, f"could not start: {type(e).__name__}: {e}")
                     continue
                 m.start_ref, m.url, m.node, m.pid = None, info["url"], info["node"], info["pid"]
+                m.started = now   # the start-up timeout counts from here: waiting for resources is no failure
             status = self.poll_status(m, now)
             if status is None:
                 continue
@@ -364,8 +423,16 @@ class Controller:
     def check_serving(self, now: float) -> None:
         for m in [m for m in self.members.values() if m.state == SERVING]:
             status = self.poll_status(m, now)
-            if status is not None and status.get("returncode") is not None:
+            if status is None:
+                continue
+            if status.get("returncode") is not None:
                 self.lost(m, now, f"exited (code {status['returncode']})")
+            elif status.get("healthy"):
+                m.unhealthy_since = None
+            elif m.unhealthy_since is None:
+                m.unhealthy_since = now
+            elif now - m.unhealthy_since > UNHEALTHY_REPLACE_S:   # hung: the router ejected it long ago
+                self.lost(m, now, f"unhealthy for {UNHEALTHY_REPLACE_S:.0f} s")
 
     def poll_status(self, m: Member, now: float) -> dict | None:
         """The instance's status when its call has answered (a new one is sent); None while it is pending.
@@ -412,9 +479,10 @@ class Controller:
         for role in POOL_ROLES:
             live = [m for m in self.members.values() if m.role == role and m.state != DRAINING]
             if len(live) < self.wanted[role] and now >= self.not_before[role]:
-                for _ in range(self.wanted[role] - len(live)):
+                for _ in range(min(self.wanted[role] - len(live), MAX_STARTS_PER_TICK)):
                     self.add(role, now)
-            for m in sorted(live, key=lambda m: (m.state == SERVING, m.started))[:max(0, len(live) - self.wanted[role])]:
+            # Too many: those not serving yet go first, then the newest (the oldest hold the warmest caches).
+            for m in sorted(live, key=lambda m: (m.state == SERVING, -m.started))[:max(0, len(live) - self.wanted[role])]:
                 if m.state == STARTING:   # never served: nothing to drain
                     self.log(f"{m.name} stopped before it served")
                     self.release(m)
@@ -451,25 +519,42 @@ class Controller:
     def push_members(self) -> None:
         """The serving instances to the router when they changed; draining ones may stop once it answered."""
         ray = require_ray()
-        members = sorted((m.name, m.url, m.role) for m in self.members.values() if m.state == SERVING)
-        if members == self.pushed:
+        if self.router_start_ref is not None:
             return
+        members = self.serving_list()
+        now = time.monotonic()
+        if members == self.pushed and now - self.last_push < ROUTER_CHECK_S:
+            return
+        self.last_push = now   # unchanged lists too, every few seconds: that is how a dead router is noticed
         try:
             ray.get(self.router.set_members.remote(members), timeout=ROUTER_ACK_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            self.log("the router actor died: starting a new one")
+            self.restart_router()
+            return   # the list goes to the new one once it serves
         except Exception as e:
             self.log(f"the router did not take the member list: {type(e).__name__}: {e}")
             return
         self.pushed = members
 
-    def check_draining(self) -> None:
+    def check_draining(self, now: float) -> None:
         ray = require_ray()
-        pushed = {name for name, _, _ in self.pushed or ()}
-        for m in [m for m in self.members.values() if m.state == DRAINING]:
-            if m.name in pushed:
-                continue        # the router still routes to it: not yet
-            if m.drain_ref is None:
-                m.drain_ref = m.actor.drain.remote(self.spec.drain_timeout + 5.0)
-                continue
+        if self.pushed is None or self.router_start_ref is not None:
+            return
+        pushed = {name for name, _, _ in self.pushed}
+        waiting = [m for m in self.members.values() if m.state == DRAINING and m.name not in pushed
+                   and m.drain_ref is None]
+        if waiting:   # out of the router's list: let the router's hops on it end first (a P's prefill, a
+            try:      # D chosen before its P finished), up to --drain-timeout
+                open_hops = ray.get(self.router.in_flight.remote([m.name for m in waiting]), timeout=5.0)
+            except Exception:
+                open_hops = {}
+            for m in waiting:
+                if m.drain_after is None:
+                    m.drain_after = now + self.spec.drain_timeout
+                if open_hops.get(m.name, 1) == 0 or now >= m.drain_after:
+                    m.drain_ref = m.actor.drain.remote(self.spec.drain_timeout + 5.0)
+        for m in [m for m in self.members.values() if m.state == DRAINING and m.drain_ref is not None]:
             done, _ = ray.wait([m.drain_ref], timeout=0)
             if done:
                 try:
@@ -509,6 +594,15 @@ class Controller:
 def connect(address: str | None, *, local_host: str = "127.0.0.1"):
     """ray.init on `address` ("auto", a cluster address), or a new local Ray instance on `local_host`."""
     ray = require_ray()
+    if ray.is_initialized():   # (a caller that is already a driver of the cluster)
+        return ray
+    if address and address != "auto":   # a host:port nobody listens on would make ray.init wait for ever
+        host, _, port = address.rpartition(":")
+        if host and port.isdigit():
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=5.0).close()
+            except OSError as e:
+                raise ConnectionError(f"nothing answers at {address}: {e}") from None
     if address:
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
     else:
@@ -548,17 +642,25 @@ def run_ray_cluster(spec: PoolSpec, *, address: str | None, num_prefill: int, nu
             num_cpus=0, max_concurrency=8, name=CONTROLLER_NAME, namespace=NAMESPACE).remote(spec)
         url = ray.get(controller.start.remote(num_prefill, num_decode, num_colocated), timeout=300)
         deadline = time.monotonic() + ready_timeout
-        while not ray.get(controller.ready.remote(), timeout=30):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the pools were not all serving within {ready_timeout:.0f} s: "
-                                   f"{ray.get(controller.status.remote(), timeout=30)['events'][-5:]}")
+        state = "ready"
+        while not ray.get(controller.ready.remote(), timeout=60):
+            if time.monotonic() > deadline:   # what serves, serves: say what is missing, do not tear it down
+                events = ray.get(controller.status.remote(), timeout=60)["events"][-5:]
+                print(f"pdserve up --ray: not every instance is serving after {ready_timeout:.0f} s; the cluster "
+                      f"goes on with those that are (`pdserve scale` shows them). Last events:\n  "
+                      + "\n  ".join(events), file=sys.stderr, flush=True)
+                state = "partly up"
+                break
             time.sleep(1.0)
         gcs = ray.get_runtime_context().gcs_address
-        print(f"pdserve cluster ready on Ray ({gcs}): {url}/v1  ({num_prefill}P {num_decode}D "
+        print(f"pdserve cluster {state} on Ray ({gcs}): {url}/v1  ({num_prefill}P {num_decode}D "
               f"{num_colocated} colocated). `pdserve status {url}` shows it; `pdserve scale --address {gcs} "
               f"--prefill N --decode M` resizes it; Ctrl-C stops it.", flush=True)
-        while True:
-            ray.get(controller.status.remote(), timeout=60)   # the controller dying ends the cluster
+        while True:   # the controller dying ends the cluster; a slow answer does not
+            try:
+                ray.get(controller.status.remote(), timeout=60)
+            except ray.exceptions.GetTimeoutError:
+                print("pdserve up --ray: the controller is slow to answer", file=sys.stderr, flush=True)
             time.sleep(2.0)
     except KeyboardInterrupt:
         return 0
@@ -582,13 +684,13 @@ def scale_main(args) -> int:
     except Exception as e:
         print(f"pdserve scale: no pdserve cluster on Ray at {args.address}: {e}", file=sys.stderr)
         return 1
+    if args.prefill is None and args.decode is None and args.colocated is None:
+        print_status(ray.get(controller.status.remote(), timeout=30))
+        return 0
     try:
         wanted = ray.get(controller.scale.remote(args.prefill, args.decode, args.colocated), timeout=30)
-    except ValueError as e:
-        print(f"pdserve scale: {e}", file=sys.stderr)
-        return 2
     except Exception as e:
-        cause = getattr(e, "cause", None)
+        cause = getattr(e, "cause", None)   # the controller's ValueError, wrapped by Ray
         print(f"pdserve scale: {cause if isinstance(cause, ValueError) else e}", file=sys.stderr)
         return 2 if isinstance(cause, ValueError) else 1
     print(f"pdserve scale: wanted {wanted['prefill']}P {wanted['decode']}D {wanted['colocated']} colocated",
@@ -598,10 +700,22 @@ def scale_main(args) -> int:
     deadline = time.monotonic() + args.wait
     while not ray.get(controller.ready.remote(), timeout=30):
         if time.monotonic() > deadline:
-            print(f"pdserve scale: not there within {args.wait:g} s (the controller goes on)", file=sys.stderr)
+            print(f"pdserve scale: not there within {args.wait:g} s (the controller goes on; `pdserve scale` "
+                  f"without sizes shows why)", file=sys.stderr)
             return 1
         time.sleep(0.5)
-    status = ray.get(controller.status.remote(), timeout=30)
-    for inst in status["instances"]:
-        print(f"  {inst['name']:<14} {inst['role']:<10} {inst['state']:<9} {inst['url']}")
+    print_status(ray.get(controller.status.remote(), timeout=30), events=0)
     return 0
+
+
+def print_status(status: dict, events: int = 10) -> None:
+    wanted = status["wanted"]
+    print(f"router {status['router']}   wanted {wanted['prefill']}P {wanted['decode']}D {wanted['colocated']} colocated")
+    for inst in status["instances"]:
+        print(f"  {inst['name']:<14} {inst['role']:<10} {inst['state']:<9} {inst['url'] or '-'}")
+    if status.get("autoscale") is not None:
+        pressure = ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} n/a"
+                             for k, v in status["autoscale"]["pressure"].items())
+        print(f"autoscale: decisions {status['autoscale']['decisions'] or 'none'}; pressure {pressure or 'n/a'}")
+    for event in status["events"][-events:] if events else ():
+        print(f"  {event}")

@@ -381,6 +381,16 @@ class Router:
         self.num_replacements += 1
         return inst
 
+    def another_decode(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0) -> Instance | None:
+        """A decode instance for a prompt a P has computed, when the one chosen with it left the cluster
+        meanwhile; None when no other can take it."""
+        candidates = [inst for inst in self.instances if inst.role == "decode" and self._admits(inst, req, exclude, now)]
+        if not candidates:
+            return None
+        inst, outcome = self.policy.choose(DECODE, candidates, self._choice(req, candidates, now))
+        self._count_pick(DECODE, outcome)
+        return inst
+
     def _admits(self, inst: Instance, req: RouteRequest, exclude: Collection[str], now: float) -> bool:
         """The hard caps of docs/router.md, step 1."""
         if not inst.is_available or inst.name in exclude or inst.is_full(now):
@@ -447,7 +457,7 @@ class Router:
         num_tokens = req.num_prompt_tokens if inst.role == "prefill" else req.num_prompt_tokens + (req.max_tokens or 1)
         ticket = inst.begin(num_prompt_tokens=req.num_prompt_tokens - cached_tokens if computes_prompt else 0,
                             num_blocks=max(0, inst.blocks_for(num_tokens) - cached_blocks))
-        if req.block_hashes:
+        if req.block_hashes and not inst.removed:   # (a removed one's bit is free for the next instance)
             self.index.predict(inst.name, req.block_hashes, now)
         return ticket
 

@@ -127,6 +127,7 @@ class Proxy:
         self.releases: set[asyncio.Task] = set()  # in the background: the client's answer does not wait
         # What clients (and metric labels) call each backend: its pool and index, never its address.
         self.names = {inst.url: inst.name for inst in router.instances}
+        self.departed: dict[str, Instance] = {}   # left the cluster with hops still open (set_members)
         self.tokenizers = RouterTokenizers(tokenizer) if tokenizer is not None else None
         self.capacity = asyncio.Event()   # pulsed when a hop ends or a poll round lands: waiters look again
         self.next_passthrough = 0
@@ -175,6 +176,7 @@ class Proxy:
             inst = self.router.remove(name)
             self.monitor.forget(name)
             self.names.pop(inst.url, None)
+            self.departed[name] = inst
         added = [name for name in wanted if name not in self.router.by_name]
         for name in added:
             url, role = wanted[name]
@@ -183,6 +185,15 @@ class Proxy:
         if added:
             self.pulse_capacity()   # requests waiting for an instance with room look again
         return added, removed
+
+    def num_in_flight_on(self, name: str) -> int:
+        """Hops still open on an instance that left (what its drain should wait for); 0 once none, and the
+        record is dropped then."""
+        inst = self.departed.get(name)
+        if inst is None or inst.own_in_flight == 0:
+            self.departed.pop(name, None)
+            return 0
+        return inst.own_in_flight
 
     def pulse_capacity(self) -> None:
         self.capacity.set()
@@ -326,8 +337,11 @@ class Proxy:
                                prefill.name)
                 self.metrics.num_prefill_retries.inc()
                 continue
+            decode = route.decode
+            if decode.removed:   # it left the cluster during the prefill: another D reads the KV instead
+                decode = self.router.another_decode(req, exclude=failed, now=time.monotonic()) or decode
             return await final_hop(
-                self, request, req, route.decode, body, headers, start, kv_transfer_params=params,
+                self, request, req, decode, body, headers, start, kv_transfer_params=params,
                 release=lambda: release_transfer(self, prefill.url, params, headers))
 
     async def serve_pushed(self, request: web.Request, req: RouteRequest, route: Route, body: dict, headers: dict,

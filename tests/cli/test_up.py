@@ -298,7 +298,7 @@ def test_up_ray_builds_the_pool_spec_and_refuses_bad_ray_flags(monkeypatch, caps
     assert kwargs["router_config"].pd_min_prompt_tokens == 32 and kwargs["router_config"].max_per_instance == 8
     assert cli.main(["up", "--ray", "auto"]) == 0 and calls["address"] == "auto"
     for bad in (["--ray-resources", "decoder={}"], ["--ray-resources", 'decode={"x": -1}'],
-                ["--ray-resources", "decode=[1]"], ["--ray-cpus-per-instance", "0"],
+                ["--ray-resources", "decode=[1]"], ["--ray-cpus-per-instance", "0"], ["--ray-instance-host", "0.0.0.0"],
                 ["--kv-connector", "store"], ["--proxy-args", "--max-per-instance 0"]):
         assert cli.main(["up", "--ray", *bad]) == 2, bad
         assert capsys.readouterr().err.startswith("pdserve up"), bad

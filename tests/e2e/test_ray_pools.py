@@ -153,7 +153,8 @@ def test_the_autoscaler_shrinks_an_idle_decode_pool_to_its_minimum(pools):
     ray.get(controller.scale.remote(None, 2, None), timeout=30)
     assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=180), status(pools)
     # Idle: every pressure is ~0, under `down`; one decision in a row suffices, no cooldown.
-    config = AutoscaleConfig(up=50.0, down=0.5, patience=1, cooldown_s=0.0, max_instances=4)
+    # (slo_tpot_s 1 s: an idle D reports the default step time, 25 ms, until it has run batches)
+    config = AutoscaleConfig(slo_tpot_s=1.0, up=50.0, down=0.5, patience=1, cooldown_s=0.0, max_instances=4)
     ray.get(controller.set_autoscale.remote(config, 0.5), timeout=30)
     try:
         assert wait_until(lambda: status(pools)["wanted"]["decode"] == 1, timeout=60), status(pools)
@@ -168,14 +169,57 @@ def test_the_autoscaler_shrinks_an_idle_decode_pool_to_its_minimum(pools):
     assert code == 200, body
 
 
+def test_a_killed_router_actor_is_started_again_with_the_pools(pools):
+    ray.kill(ray.get_actor("pdserve-router", namespace=NAMESPACE), no_restart=True)
+    assert wait_until(lambda: any("router actor died" in e for e in status(pools)["events"]), timeout=30)
+
+    def answers() -> bool:
+        try:
+            return chat(pools["url"], CHATS[2])[0] == 200
+        except (urllib.error.URLError, ConnectionError):
+            return False
+    assert wait_until(answers, timeout=60, interval=1.0)
+    with urllib.request.urlopen(pools["url"] + "/cluster", timeout=10) as r:
+        roles = sorted(i["role"] for i in json.loads(r.read())["instances"])
+    assert roles == ["decode", "prefill"]
+
+
+def test_an_instance_that_cannot_be_placed_waits_says_so_and_can_be_scaled_away(pools):
+    controller = pools["controller"]
+    ray.get(controller.scale.remote(None, 3, None), timeout=30)   # node_b has 2 CPUs: the third D cannot fit
+    assert wait_until(lambda: any("waits for resources" in e for e in status(pools)["events"]), timeout=60)
+    decodes = [i for i in status(pools)["instances"] if i["role"] == "decode"]
+    assert len(decodes) == 3 and sum(i["state"] == "starting" for i in decodes) >= 1
+    assert not ray.get(controller.ready.remote())
+    code, body = chat(pools["url"], CHATS[0])   # the rest serve meanwhile
+    assert code == 200, body
+    ray.get(controller.scale.remote(None, 1, None), timeout=30)
+    assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=120), status(pools)
+    assert not any("lost" in e and "waits" in e for e in status(pools)["events"])
+
+
 def test_a_size_that_cannot_serve_is_refused_and_changes_nothing(pools):
     controller = pools["controller"]
     wanted = status(pools)["wanted"]
-    for sizes in ((1, 0, 0), (0, 0, 0), (-1, 1, 0)):
+    for sizes in ((1, 0, 0), (0, 0, 0), (-1, 1, 0), (1, 10 ** 20, 0)):
         with pytest.raises(ray.exceptions.RayTaskError) as e:
             ray.get(controller.scale.remote(*sizes), timeout=30)
         assert isinstance(e.value.cause, ValueError)
     assert status(pools)["wanted"] == wanted
+
+
+def test_pdserve_scale_prints_the_pools_and_refuses_bad_sizes(pools, capsys):
+    from argparse import Namespace
+
+    from pdserve.cluster.ray import scale_main
+    args = dict(address="auto", prefill=None, decode=None, colocated=None, wait=0)
+    assert scale_main(Namespace(**args)) == 0
+    out = capsys.readouterr().out
+    assert pools["url"] in out and "prefill" in out and "serving" in out
+    assert scale_main(Namespace(**{**args, "prefill": 2, "decode": 0})) == 2
+    assert "need decode instances" in capsys.readouterr().err
+    assert scale_main(Namespace(**{**args, "decode": 1})) == 0   # unchanged: a no-op
+    assert "wanted 1P 1D" in capsys.readouterr().out
 
 
 def test_stopping_the_pools_leaves_no_server(pools):
