@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start prefill and decode instances and the proxy on this machine, "
                                     "wait until healthy, print the URL; Ctrl-C stops everything.")
     up.add_argument("--host", default="127.0.0.1", help="address of the proxy and every instance")
-    up.add_argument("--port", type=int, default=8000, help="the proxy's port; instances take the next ones")
+    up.add_argument("--port", type=int, default=8000,
+                    help="the router's port; instances take the next ones (on Ray: free ports of their nodes)")
     add_key_arguments(up, router_key=False)
     up.add_argument("--num-prefill", type=int, default=1, help="prefill (producer) instances")
     up.add_argument("--num-decode", type=int, default=1,
@@ -204,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ray-instance-host", default=None, metavar="HOST",
                    help="the address every instance binds and advertises (default: 127.0.0.1 on a new local Ray "
                         "instance, else its node's address as Ray knows it)")
+    up.add_argument("--drain-timeout", type=float, default=10.0,
+                    help="seconds an instance being stopped (Ctrl-C, or `pdserve scale` removing it) gives its "
+                         "requests to finish before it ends the rest with an error (default 10)")
     g.add_argument("--autoscale", action="store_true",
                    help="let the controller resize the prefill and decode pools from the router's view of them "
                         "(queued prefill time against --slo-ttft-ms, decode step time and KV usage against "
@@ -397,6 +401,16 @@ def up_main(args: argparse.Namespace) -> int:
         return 2
     if args.ray is not None:
         return up_ray(args, serve_args, role_args, routing_args)
+    ray_only = [flag for flag, value, default in (
+        ("--autoscale", args.autoscale, False), ("--ray-resources", args.ray_resources, []),
+        ("--ray-cpus-per-instance", args.ray_cpus_per_instance, 1.0), ("--ray-instance-host", args.ray_instance_host, None),
+        ("--max-instances", args.max_instances, 8), ("--slo-ttft-ms", args.slo_ttft_ms, 2000.0),
+        ("--slo-tpot-ms", args.slo_tpot_ms, 50.0), ("--autoscale-cooldown", args.autoscale_cooldown, 30.0))
+        if value != default]
+    if ray_only:
+        print(f"pdserve up: {', '.join(ray_only)}: for a cluster on Ray only (add --ray)", file=sys.stderr)
+        return 2
+    serve_args[:0] = ["--drain-timeout", str(args.drain_timeout)]
     return run_cluster(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                        host=args.host, port=args.port, serve_args=serve_args,
                        kv_transfer_config=args.kv_transfer_config, device=args.device,
@@ -454,11 +468,22 @@ def up_ray(args: argparse.Namespace, serve_args: list[str], role_args: dict[str,
             print("pdserve up: --autoscale resizes P/D pools: start with --num-prefill and --num-decode >= 1",
                   file=sys.stderr)
             return 2
+        if args.num_prefill + args.num_decode > args.max_instances:
+            print(f"pdserve up: --autoscale: --num-prefill + --num-decode ({args.num_prefill + args.num_decode}) "
+                  f"is over --max-instances ({args.max_instances})", file=sys.stderr)
+            return 2
+    from pdserve.cluster.local import tensor_parallel_size
+    try:
+        tp_sizes = {pool: tensor_parallel_size([*serve_args, *role_args[pool]])
+                    for pool in ("prefill", "decode", "colocated")}
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
     spec = PoolSpec(model=args.model, serve_args=serve_args, role_args=role_args, kv_connector=args.kv_connector,
                     kv_transfer_config=args.kv_transfer_config, cpus_per_instance=args.ray_cpus_per_instance,
-                    device=args.device, tp_size=args.tensor_parallel_size or 1, extra_resources=extra,
+                    device=args.device, tp_sizes=tp_sizes, extra_resources=extra,
                     instance_host=args.ray_instance_host, autoscale=autoscale, router_host=args.host,
-                    router_port=args.port, router_kwargs=kwargs, api_key=args.api_key)
+                    router_port=args.port, router_kwargs=kwargs, drain_timeout=args.drain_timeout)
     spec.router_kwargs["router_key"] = spec.router_key
     return run_ray_cluster(spec, address=args.ray or None, num_prefill=args.num_prefill, num_decode=args.num_decode,
                            num_colocated=args.num_colocated)

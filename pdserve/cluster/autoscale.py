@@ -4,13 +4,14 @@ From the router's view of the instances (GET /cluster: queued prefill tokens, le
 decode step times, KV usage, queues) it estimates two pressures against the SLOs:
 - prefill: the time a new prompt waits behind the prompt tokens queued on the P pool,
   Σ queued tokens / Σ prefill tokens per second, as a fraction of the TTFT SLO;
-- decode: the pool's mean decode step time as a fraction of the TPOT SLO, or its mean KV usage as a
-  fraction of `kv_high`, or 1 when requests wait for a batch slot on some D, whichever is largest.
+- decode: the mean decode step time of the Ds running requests (as measured) as a fraction of the TPOT SLO,
+  or the pool's mean KV usage as a fraction of `kv_high`, or 1 when requests wait for a batch slot on some
+  D, whichever is largest (0 for an idle pool).
 A pool whose pressure stays above `up` for `patience` decisions in a row gets one more instance; below
 `down` (and above its minimum) one fewer. At `max_instances` a pool that needs one takes it from the other
 pool when that one is idle enough to give one up, else nothing happens. After each change nothing moves for
-`cooldown_s`, and nothing is decided while the pools are not at their wanted size (an instance starting or
-draining skews every figure): the hysteresis that keeps it from flapping.
+`cooldown_s`, and nothing is decided while an instance is starting or draining (it skews every figure; one
+that waits for resources does not count, else an unplaceable instance would freeze the autoscaler): the hysteresis that keeps it from flapping.
 
 Pure: the caller passes the status, the wanted sizes and the time.
 """
@@ -77,20 +78,23 @@ class Autoscaler:
             prefill = queued / sum(rates) / self.config.slo_ttft_s
         decode = None
         if decodes:
-            steps = [(i.get("rates") or {}).get("decode_step_s") for i in decodes]
+            # A step time counts only where it was measured and requests run now: an idle D reports its
+            # last (or the router's default) step for ever, which says nothing about the load of now.
+            steps = [(i.get("rates") or {}).get("decode_step_s") for i in decodes
+                     if ((i.get("rates") or {}).get("measured") or {}).get("decode_step_s") and (i.get("running") or 0) > 0]
             usage = [i.get("kv_usage") for i in decodes if i.get("kv_usage") is not None]
-            parts = []
-            if all(s is not None for s in steps):
-                parts.append(sum(steps) / len(steps) / self.config.slo_tpot_s)
+            parts = [0.0]
+            if steps:
+                parts.append(sum(s for s in steps if s is not None) / len(steps) / self.config.slo_tpot_s)
             if usage:
                 parts.append(sum(usage) / len(usage) / self.config.kv_high)
             if any((i.get("waiting") or 0) > 0 for i in decodes):
                 parts.append(1.0)
-            decode = max(parts) if parts else None
+            decode = max(parts)
         return {"prefill": prefill, "decode": decode}
 
     def decide(self, status: dict[str, Any], wanted: dict[str, int], settled: bool, now: float) -> Decision | None:
-        """A new (prefill, decode) size, or None. settled: every pool is at its wanted size."""
+        """A new (prefill, decode) size, or None. settled: no instance is starting or draining."""
         cfg = self.config
         pressure = self.pressures(status)
         self.last_pressure = pressure
@@ -114,7 +118,7 @@ class Autoscaler:
         ready = {pool: d for pool, d in direction.items() if d and self.streak[pool][1] >= cfg.patience}
         if not ready:
             return None
-        total = sum(sizes.values()) + sum(wanted.get(k, 0) for k in wanted if k not in sizes)
+        total = sizes["prefill"] + sizes["decode"]   # (the colocated pool is not the autoscaler's)
         new = dict(sizes)
         growing = sorted((p for p, d in ready.items() if d > 0), key=lambda p: -(pressure[p] or 0))
         if growing:
@@ -123,7 +127,7 @@ class Autoscaler:
             if total < cfg.max_instances:
                 new[pool] += 1
                 reason = f"{pool}_up"
-            elif direction[other] < 0 or ((pressure[other] or 0) < cfg.down and sizes[other] > minimum[other]):
+            elif pressure[other] is not None and pressure[other] < cfg.down and sizes[other] > minimum[other]:
                 new[pool] += 1
                 new[other] -= 1
                 reason = f"{pool}_from_{other}"

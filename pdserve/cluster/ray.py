@@ -74,14 +74,13 @@ class PoolSpec:
     kv_transfer_config: str | None = None
     cpus_per_instance: float = 1.0
     device: str = "auto"                     # auto: GPUs when the Ray cluster has any
-    tp_size: int = 1
-    gpus_per_instance: int = 0               # its tensor-parallel ranks on GPUs, else 0 (set on connecting)
+    tp_sizes: dict[str, int] = field(default_factory=dict)   # pool → tensor-parallel ranks (default 1)
+    use_gpus: bool = False                   # set on connecting (device auto: GPUs when the cluster has any)
     extra_resources: dict[str, dict[str, float]] = field(default_factory=dict)   # pool → resources
     instance_host: str | None = None         # None: each instance's node address (Ray's view of the node)
     router_host: str = "127.0.0.1"
     router_port: int = 8000
     router_kwargs: dict[str, Any] = field(default_factory=dict)   # build_proxy_app's keyword arguments
-    api_key: str | None = None
     router_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     drain_timeout: float = 10.0
     autoscale: AutoscaleConfig | None = None  # None: the sizes change only by `pdserve scale`
@@ -90,10 +89,14 @@ class PoolSpec:
 
 # --- the instance ---------------------------------------------------------------------------------------
 
+_LIBC = None
+
+
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the process that started it (the actor) dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    """In the child, between fork and exec: SIGKILL when the actor that started it dies. Not SIGTERM: a
+    hung server could outlive its actor, and its GPU or port would be taken when a replacement lands there
+    (a drain is the controller's to ask for, with SIGTERM, before it lets an actor go)."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def free_port(host: str) -> int:
@@ -117,15 +120,18 @@ class InstanceActor:
         spec = self.spec
         host = spec.instance_host or ray.util.get_node_ip_address()
         port = free_port(host)
-        tp = max(1, spec.gpus_per_instance)
+        tp = spec.tp_sizes.get(self.role, 1)
         cmd = instance_command(KV_ROLES[self.role], self.index, port, model=spec.model, host=host,
                                serve_args=[*spec.serve_args, "--drain-timeout", str(spec.drain_timeout)],
                                role_args=spec.role_args.get(self.role, []), kv_connector=spec.kv_connector,
                                kv_transfer_config=spec.kv_transfer_config, cores=None,
-                               num_threads=None if spec.gpus_per_instance else max(1, int(spec.cpus_per_instance)),
+                               num_threads=None if spec.use_gpus else max(1, int(spec.cpus_per_instance) // tp),
                                tp_size=tp)
         cmd[cmd.index("--engine-id") + 1] = self.name   # unique over the cluster's life, replacements too
         env = {**os.environ, ROUTER_KEY_ENV: spec.router_key, API_KEY_ENV: spec.router_key}
+        global _LIBC
+        # Loaded before the fork: between fork and exec nothing may take a lock another thread held.
+        _LIBC = _LIBC or ctypes.CDLL("libc.so.6", use_errno=True)
         self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
         self.url = f"http://{host}:{port}"
         return {"url": self.url, "node": ray.get_runtime_context().get_node_id(), "pid": self.proc.pid}
@@ -233,7 +239,8 @@ class Controller:
         self.wanted = dict.fromkeys(POOL_ROLES, 0)
         self.members: dict[str, Member] = {}
         self.counter = itertools.count()
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()          # the members and the router: ticks, set_autoscale, stop
+        self.scale_lock = threading.Lock()     # the wanted sizes
         self.router = None
         self.router_url: str | None = None
         self.pushed: list[tuple[str, str, str]] | None = None
@@ -298,7 +305,7 @@ class Controller:
               num_colocated: int | None = None) -> dict:
         """New wanted sizes (None: unchanged); the ticks converge to them. ValueError on a size that cannot
         serve (P without D, or nothing that decodes)."""
-        with self.lock:
+        with self.scale_lock:   # not self.lock: a tick may hold that for seconds
             if self.stopping:
                 raise ValueError("the cluster is stopping")
             wanted = dict(self.wanted)
@@ -313,7 +320,7 @@ class Controller:
                 raise ValueError("the cluster needs decode or colocated instances")
             if wanted != self.wanted:
                 self.log(f"scale to {wanted['prefill']}P {wanted['decode']}D {wanted['colocated']} colocated")
-            self.wanted = wanted
+            self.wanted = wanted   # one assignment: a tick sees the old sizes or the new, never a mix
             return dict(wanted)
 
     def set_autoscale(self, config: AutoscaleConfig | None, interval_s: float | None = None) -> None:
@@ -326,27 +333,35 @@ class Controller:
             self.log(f"autoscale {'on' if config is not None else 'off'}")
 
     def status(self) -> dict:
-        with self.lock:
-            autoscale = None
-            if self.autoscaler is not None:
-                autoscale = {"decisions": dict(self.autoscaler.counts), "pressure": dict(self.autoscaler.last_pressure)}
-            return {"router": self.router_url, "wanted": dict(self.wanted), "autoscale": autoscale,
-                    "instances": [{"name": m.name, "role": m.role, "state": m.state, "url": m.url, "node": m.node,
-                                   "pid": m.pid} for m in self.members.values()],
-                    "events": self.events[-50:]}
+        # No self.lock: a tick may hold it for seconds (it waits on the router); list() of a dict's values
+        # is one step under the GIL, so this is a consistent snapshot.
+        members = list(self.members.values())
+        autoscale = None
+        if (scaler := self.autoscaler) is not None:
+            autoscale = {"decisions": dict(scaler.counts), "pressure": dict(scaler.last_pressure)}
+        return {"router": self.router_url, "wanted": dict(self.wanted), "autoscale": autoscale,
+                "instances": [{"name": m.name, "role": m.role, "state": m.state, "url": m.url, "node": m.node,
+                               "pid": m.pid} for m in members],
+                "events": list(self.events[-50:])}
 
     def serving_list(self) -> list[tuple[str, str, str]]:
-        return sorted((m.name, m.url, m.role) for m in self.members.values() if m.state == SERVING)
+        return sorted((m.name, m.url, m.role) for m in list(self.members.values()) if m.state == SERVING)
 
     def ready(self) -> bool:
         """Every pool at its wanted size with every instance serving, nothing draining, and the router
-        serving all of them."""
-        with self.lock:
-            for role in POOL_ROLES:
-                serving = [m for m in self.members.values() if m.role == role]
-                if len(serving) != self.wanted[role] or any(m.state != SERVING for m in serving):
-                    return False
-            return self.router_start_ref is None and self.pushed == self.serving_list()
+        serving all of them. (No self.lock, as status.)"""
+        members, wanted = list(self.members.values()), self.wanted
+        for role in POOL_ROLES:
+            pool = [m for m in members if m.role == role]
+            if len(pool) != wanted[role] or any(m.state != SERVING for m in pool):
+                return False
+        return self.router_start_ref is None and self.pushed == self.serving_list()
+
+    def settled(self) -> bool:
+        """No instance placed and starting, none draining: the figures the autoscaler reads are the pools'
+        own (one waiting for resources does not count: it would freeze the autoscaler)."""
+        return not any(m.state == DRAINING or (m.state == STARTING and m.start_ref is None)
+                       for m in list(self.members.values()))
 
     def log(self, event: str) -> None:
         logger.info(event)
@@ -383,7 +398,7 @@ class Controller:
         except Exception as e:
             self.log(f"autoscale: no cluster status from the router: {type(e).__name__}")
             return
-        decision = self.autoscaler.decide(status, self.wanted, self.ready(), now)
+        decision = self.autoscaler.decide(status, self.wanted, self.settled(), now)
         if decision is not None:
             self.log(f"autoscale: {decision.reason}")
             self.scale(decision.prefill, decision.decode)
@@ -436,16 +451,16 @@ class Controller:
 
     def poll_status(self, m: Member, now: float) -> dict | None:
         """The instance's status when its call has answered (a new one is sent); None while it is pending.
-        A dead actor (or one silent for STATUS_TIMEOUT_S) answers {"returncode": "actor dead"}."""
+        A dead actor answers {"returncode": "actor died: ..."}, one silent for STATUS_TIMEOUT_S unhealthy."""
         ray = require_ray()
         if m.status_ref is None:
             m.status_ref, m.status_since = m.actor.status.remote(), now
             return None
         done, _ = ray.wait([m.status_ref], timeout=0)
         if not done:
-            if now - m.status_since > STATUS_TIMEOUT_S:
-                return {"returncode": f"actor silent for {STATUS_TIMEOUT_S:g} s"}
-            return None
+            # Silent (a starved node, a hung actor): unhealthy, replaced if it lasts (UNHEALTHY_REPLACE_S);
+            # only an answer that the actor is gone is a death.
+            return {"returncode": None, "healthy": False} if now - m.status_since > STATUS_TIMEOUT_S else None
         try:
             status = ray.get(m.status_ref)
         except Exception as e:   # RayActorError: the actor (or its node) died
@@ -493,8 +508,8 @@ class Controller:
     def bundle(self, role: str) -> dict[str, float]:
         spec = self.spec
         bundle = {"CPU": spec.cpus_per_instance}
-        if spec.gpus_per_instance:
-            bundle["GPU"] = float(spec.gpus_per_instance)
+        if spec.use_gpus:
+            bundle["GPU"] = float(spec.tp_sizes.get(role, 1))
         bundle.update(spec.extra_resources.get(role, {}))
         return bundle
 
@@ -567,7 +582,9 @@ class Controller:
     def stop(self) -> None:
         """Drain everything (the router first stops routing), then stop the router."""
         ray = require_ray()
-        self.stopping = True
+        with self.scale_lock:
+            self.stopping = True
+            self.wanted = dict.fromkeys(POOL_ROLES, 0)
         if self.thread is not None:
             self.thread.join(timeout=10)
         with self.lock:
@@ -576,8 +593,10 @@ class Controller:
                     ray.get(self.router.set_members.remote([]), timeout=ROUTER_ACK_TIMEOUT_S)
                 except Exception:
                     pass
-            refs = {m.name: m.actor.drain.remote(self.spec.drain_timeout + 5.0) for m in self.members.values()}
-            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.spec.drain_timeout + 10.0)
+            placed = [m for m in self.members.values() if m.start_ref is None]   # (the others never started)
+            refs = [m.actor.drain.remote(self.spec.drain_timeout + 5.0) for m in placed]
+            if refs:
+                ray.wait(refs, num_returns=len(refs), timeout=self.spec.drain_timeout + 10.0)
             for m in list(self.members.values()):
                 self.release(m)
             if self.router is not None:
@@ -591,12 +610,17 @@ class Controller:
 
 # --- the commands ---------------------------------------------------------------------------------------
 
+def stop_timeout(spec: PoolSpec) -> float:
+    """Controller.stop's worst case: its tick thread (a set_members ack), the drains, the router's stop."""
+    return 10.0 + ROUTER_ACK_TIMEOUT_S + spec.drain_timeout + 10.0 + 10.0 + STOP_TIMEOUT_S
+
+
 def connect(address: str | None, *, local_host: str = "127.0.0.1"):
     """ray.init on `address` ("auto", a cluster address), or a new local Ray instance on `local_host`."""
     ray = require_ray()
     if ray.is_initialized():   # (a caller that is already a driver of the cluster)
         return ray
-    if address and address != "auto":   # a host:port nobody listens on would make ray.init wait for ever
+    if address and address != "auto" and "://" not in address:   # nobody listening: ray.init would wait for ever
         host, _, port = address.rpartition(":")
         if host and port.isdigit():
             try:
@@ -633,7 +657,7 @@ def run_ray_cluster(spec: PoolSpec, *, address: str | None, num_prefill: int, nu
     if spec.instance_host is None and not address:
         spec.instance_host = "127.0.0.1"   # a local Ray instance is this host: nothing to reach from outside
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    spec.gpus_per_instance = spec.tp_size if spec.device == "cuda" or (spec.device == "auto" and has_gpus) else 0
+    spec.use_gpus = spec.device == "cuda" or (spec.device == "auto" and has_gpus)
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     controller = None
     try:
@@ -670,7 +694,7 @@ def run_ray_cluster(spec: PoolSpec, *, address: str | None, num_prefill: int, nu
     finally:
         if controller is not None:
             try:
-                ray.get(controller.stop.remote(), timeout=spec.drain_timeout + STOP_TIMEOUT_S)
+                ray.get(controller.stop.remote(), timeout=stop_timeout(spec))
             except Exception:
                 pass
             ray.kill(controller, no_restart=True)
@@ -698,7 +722,7 @@ def scale_main(args) -> int:
     if args.wait <= 0:
         return 0
     deadline = time.monotonic() + args.wait
-    while not ray.get(controller.ready.remote(), timeout=30):
+    while not ray.get(controller.ready.remote(), timeout=60):
         if time.monotonic() > deadline:
             print(f"pdserve scale: not there within {args.wait:g} s (the controller goes on; `pdserve scale` "
                   f"without sizes shows why)", file=sys.stderr)

@@ -171,6 +171,8 @@ class Monitor:
         self.no_load_route.discard(name)
 
     def failed(self, inst: Instance, detail: str, log_detail: str | None = None) -> None:
+        if inst.removed:   # (a request that met it on its way out: it is no longer routed to anyway)
+            return
         was_available = inst.is_available
         inst.record_failure(self.eject_after, detail)
         if was_available and not inst.is_available:

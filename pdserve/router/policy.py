@@ -381,10 +381,13 @@ class Router:
         self.num_replacements += 1
         return inst
 
-    def another_decode(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0) -> Instance | None:
+    def another_decode(self, req: RouteRequest, handoff: str, exclude: Collection[str] = (),
+                       now: float = 0.0) -> Instance | None:
         """A decode instance for a prompt a P has computed, when the one chosen with it left the cluster
-        meanwhile; None when no other can take it."""
-        candidates = [inst for inst in self.instances if inst.role == "decode" and self._admits(inst, req, exclude, now)]
+        meanwhile; None when no other (handing KV over as the P does) can take it: the caller then goes on
+        with the one that left, which may still take it while it drains."""
+        candidates = [inst for inst in self.instances if inst.role == "decode" and inst.handoff == handoff
+                      and self._admits(inst, req, exclude, now)]
         if not candidates:
             return None
         inst, outcome = self.policy.choose(DECODE, candidates, self._choice(req, candidates, now))

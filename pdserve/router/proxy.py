@@ -170,6 +170,8 @@ class Proxy:
             if name in wanted or url in urls:
                 raise ValueError(f"members: {name} ({url}) given twice")
             wanted[name], urls[url] = (url, role), name
+        # Those that left earlier and whose hops have all ended: nothing will ask about them again.
+        self.departed = {name: inst for name, inst in self.departed.items() if inst.own_in_flight}
         current = {inst.name: inst for inst in self.router.instances}
         removed = [name for name, inst in current.items() if (inst.url, inst.role) != wanted.get(name)]
         for name in removed:
@@ -339,7 +341,8 @@ class Proxy:
                 continue
             decode = route.decode
             if decode.removed:   # it left the cluster during the prefill: another D reads the KV instead
-                decode = self.router.another_decode(req, exclude=failed, now=time.monotonic()) or decode
+                decode = self.router.another_decode(req, prefill.handoff, exclude=failed,
+                                                    now=time.monotonic()) or decode
             return await final_hop(
                 self, request, req, decode, body, headers, start, kv_transfer_params=params,
                 release=lambda: release_transfer(self, prefill.url, params, headers))

@@ -11,11 +11,12 @@ CFG = AutoscaleConfig(slo_ttft_s=1.0, slo_tpot_s=0.05, max_instances=4, patience
 
 
 def status(num_p: int, num_d: int, *, queued: int = 0, rate: float = 1000.0, step: float = 0.02,
-           kv: float = 0.1, waiting: int = 0, state: str = "healthy") -> dict:
+           kv: float = 0.1, waiting: int = 0, state: str = "healthy", running: int = 4, measured: bool = True) -> dict:
     instances = [{"name": f"prefill-{i}", "role": "prefill", "state": state, "prefill_tokens_waiting": queued // num_p,
                   "rates": {"prefill_tokens_per_s": rate}} for i in range(num_p)]
     instances += [{"name": f"decode-{i}", "role": "decode", "state": state, "kv_usage": kv, "waiting": waiting,
-                   "rates": {"decode_step_s": step}} for i in range(num_d)]
+                   "running": running, "rates": {"decode_step_s": step, "measured": {"decode_step_s": measured}}}
+                  for i in range(num_d)]
     return {"instances": instances}
 
 
@@ -87,10 +88,35 @@ def test_idle_pools_shrink_to_their_minimums_and_no_further():
     assert len(decisions) == 4 and all("_down" in d.reason for d in decisions)
 
 
+def test_an_idle_decode_pool_is_idle_whatever_step_time_it_last_reported():
+    """The router reports its default step (25 ms) for a D never measured, and the last measured one for a D
+    gone idle: neither is load. With a 20 ms TPOT SLO they would read as pressure > 1 and grow the pool."""
+    scaler = Autoscaler(AutoscaleConfig(slo_tpot_s=0.02, patience=1, cooldown_s=0.0))
+    assert scaler.pressures(status(1, 2, step=0.025, kv=0.0, measured=False))["decode"] == 0.0
+    assert scaler.pressures(status(1, 2, step=0.04, kv=0.0, running=0))["decode"] == 0.0
+    assert scaler.pressures(status(1, 2, step=0.04, kv=0.0))["decode"] == pytest.approx(2.0)
+    decisions, wanted = run(scaler, [lambda w: status(w["prefill"], w["decode"], step=0.025, kv=0.0, running=0)] * 3,
+                            {"prefill": 1, "decode": 3})
+    assert wanted == {"prefill": 1, "decode": 1}
+
+
+def test_colocated_instances_do_not_count_against_max_instances():
+    scaler = Autoscaler(AutoscaleConfig(slo_ttft_s=1.0, max_instances=4, patience=1, cooldown_s=0.0))
+    decision = scaler.decide(status(1, 2, queued=9000), {"prefill": 1, "decode": 2, "colocated": 5}, True, 0.0)
+    assert decision is not None and (decision.prefill, decision.decode) == (2, 2)
+
+
 def test_a_pool_with_no_healthy_report_is_left_alone():
     scaler = Autoscaler(AutoscaleConfig(patience=1, cooldown_s=0.0))
     assert scaler.decide(status(2, 2, queued=9000, state="ejected"), {"prefill": 2, "decode": 2}, True, 0.0) is None
     assert scaler.last_pressure == {"prefill": None, "decode": None}
+    # at the cap, a pool of unknown pressure is not taken for idle
+    cfg = AutoscaleConfig(slo_ttft_s=1.0, max_instances=3, patience=1, cooldown_s=0.0)
+    swamped = status(1, 2, queued=9000)
+    for inst in swamped["instances"]:
+        if inst["role"] == "decode":
+            inst["state"] = "ejected"
+    assert Autoscaler(cfg).decide(swamped, {"prefill": 1, "decode": 2}, True, 0.0) is None
     no_rate = status(1, 1, queued=9000, rate=None)
     assert scaler.pressures(no_rate)["prefill"] is None
 

@@ -153,8 +153,7 @@ def test_the_autoscaler_shrinks_an_idle_decode_pool_to_its_minimum(pools):
     ray.get(controller.scale.remote(None, 2, None), timeout=30)
     assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=180), status(pools)
     # Idle: every pressure is ~0, under `down`; one decision in a row suffices, no cooldown.
-    # (slo_tpot_s 1 s: an idle D reports the default step time, 25 ms, until it has run batches)
-    config = AutoscaleConfig(slo_tpot_s=1.0, up=50.0, down=0.5, patience=1, cooldown_s=0.0, max_instances=4)
+    config = AutoscaleConfig(patience=1, cooldown_s=0.0, max_instances=4)   # default SLOs and thresholds
     ray.get(controller.set_autoscale.remote(config, 0.5), timeout=30)
     try:
         assert wait_until(lambda: status(pools)["wanted"]["decode"] == 1, timeout=60), status(pools)
@@ -186,6 +185,7 @@ def test_a_killed_router_actor_is_started_again_with_the_pools(pools):
 
 def test_an_instance_that_cannot_be_placed_waits_says_so_and_can_be_scaled_away(pools):
     controller = pools["controller"]
+    before = set(status(pools)["events"])
     ray.get(controller.scale.remote(None, 3, None), timeout=30)   # node_b has 2 CPUs: the third D cannot fit
     assert wait_until(lambda: any("waits for resources" in e for e in status(pools)["events"]), timeout=60)
     decodes = [i for i in status(pools)["instances"] if i["role"] == "decode"]
@@ -195,7 +195,8 @@ def test_an_instance_that_cannot_be_placed_waits_says_so_and_can_be_scaled_away(
     assert code == 200, body
     ray.get(controller.scale.remote(None, 1, None), timeout=30)
     assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=120), status(pools)
-    assert not any("lost" in e and "waits" in e for e in status(pools)["events"])
+    new_events = [e for e in status(pools)["events"] if e not in before]
+    assert not any(" lost: " in e for e in new_events), new_events   # waiting for resources is no failure
 
 
 def test_a_size_that_cannot_serve_is_refused_and_changes_nothing(pools):

@@ -116,7 +116,7 @@ def test_a_decode_removed_while_its_prefill_runs_is_replaced_for_the_decode_hop(
     """The router picks P and D together; if D leaves the cluster during P's prefill, the KV goes to a D
     that is still in it (the leaving one may already refuse connections while it drains)."""
     import threading
-    p, d_old, d_new = harness.backend("prefill", "slow_0.5s"), harness.backend("decode"), harness.backend("decode")
+    p, d_old, d_new = harness.backend("prefill", "slow_2s"), harness.backend("decode"), harness.backend("decode")
     url = harness.proxy(dynamic=True, poll_interval=POLL)
     set_members(harness, [("p", p.url, "prefill"), ("d-old", d_old.url, "decode")])
     result = {}
@@ -124,8 +124,8 @@ def test_a_decode_removed_while_its_prefill_runs_is_replaced_for_the_decode_hop(
     client.start()
     assert wait_for(lambda: len(p.received) == 1)
     set_members(harness, [("p", p.url, "prefill"), ("d-new", d_new.url, "decode")])
-    client.join(10)
-    assert result["answer"][0] == 200
+    client.join(15)
+    assert not client.is_alive() and result["answer"][0] == 200
     assert (len(d_old.received), len(d_new.received)) == (0, 1)
     proxy = harness.proxy_app[PROXY_KEY]
     assert wait_for(lambda: proxy.num_in_flight_on("d-old") == 0) and "d-old" not in proxy.departed
