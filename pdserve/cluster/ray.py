@@ -49,6 +49,7 @@ MAX_POOL_SIZE = 1024         # instances one pool may be asked for (a typo must 
 MAX_STARTS_PER_TICK = 16     # placement groups asked for per tick: the controller stays responsive
 PLACEMENT_WARN_S = 10.0      # an instance not placed by then is reported as waiting for resources
 UNHEALTHY_REPLACE_S = 60.0   # a serving instance whose /health fails this long (hung) is replaced
+ROUTER_START_TIMEOUT_S = 300.0   # placing the router actor and loading its tokenizer
 ROUTER_CHECK_S = 2.0         # the list is pushed this often even unchanged: a dead router is restarted
 POOL_ROLES = ("prefill", "decode", "colocated")
 KV_ROLES = {"prefill": "producer", "decode": "consumer", "colocated": "colocated"}
@@ -222,6 +223,7 @@ class Member:
     status_ref: Any = None         # the status call in flight
     status_since: float = 0.0
     drain_ref: Any = None
+    drain_deadline: float = 0.0        # an actor that has not answered its drain by then is killed
     drain_after: float | None = None   # the router's hops on it may end until then; SIGTERM at the latest then
     warned: bool = False               # said it waits for resources
     unhealthy_since: float | None = None
@@ -245,7 +247,8 @@ class Controller:
         self.router_url: str | None = None
         self.pushed: list[tuple[str, str, str]] | None = None
         self.last_push = 0.0
-        self.router_start_ref = None   # a new router actor starting (the old one died)
+        self.router_start_ref = None   # a new router actor starting (the old one died) ...
+        self.router_start_deadline = 0.0   # ... killed and started again if it does not serve by then
         self.deaths: dict[str, list[float]] = {role: [] for role in POOL_ROLES}
         self.not_before = dict.fromkeys(POOL_ROLES, 0.0)   # restart backoff per pool
         self.events: list[str] = []    # what happened, newest last (status shows the tail)
@@ -267,7 +270,7 @@ class Controller:
         """The router actor on the head node, serving once this returns (at start-up)."""
         ray = require_ray()
         self.restart_router()
-        self.router_url = ray.get(self.router_start_ref, timeout=300)
+        self.router_url = ray.get(self.router_start_ref, timeout=ROUTER_START_TIMEOUT_S)
         self.router_start_ref = None
 
     def restart_router(self) -> None:
@@ -279,6 +282,7 @@ class Controller:
             num_cpus=0, resources={"node:__internal_head__": 0.001}, name="pdserve-router", namespace=NAMESPACE).remote()
         self.router_start_ref = self.router.start.remote(spec.router_host, spec.router_port, spec.router_kwargs,
                                                          spec.model)
+        self.router_start_deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
         self.pushed = None   # a new router knows no instance
 
     def check_router(self) -> None:
@@ -286,9 +290,11 @@ class Controller:
         if self.router_start_ref is None:
             return
         done, _ = ray.wait([self.router_start_ref], timeout=0)
-        if not done:
+        if not done and time.monotonic() < self.router_start_deadline:
             return
         try:
+            if not done:
+                raise TimeoutError(f"not serving within {ROUTER_START_TIMEOUT_S:.0f} s")
             self.router_url = ray.get(self.router_start_ref)
             self.log(f"router serving again at {self.router_url}")
         except Exception as e:   # e.g. its port not free yet
@@ -569,9 +575,13 @@ class Controller:
                     m.drain_after = now + self.spec.drain_timeout
                 if open_hops.get(m.name, 1) == 0 or now >= m.drain_after:
                     m.drain_ref = m.actor.drain.remote(self.spec.drain_timeout + 5.0)
+                    m.drain_deadline = now + self.spec.drain_timeout + 15.0   # its own SIGKILL, and then some
         for m in [m for m in self.members.values() if m.state == DRAINING and m.drain_ref is not None]:
             done, _ = ray.wait([m.drain_ref], timeout=0)
-            if done:
+            if not done and now > m.drain_deadline:   # a hung actor: killing it kills its server too
+                self.log(f"{m.name} did not answer its drain: killed")
+                self.release(m)
+            elif done:
                 try:
                     code = ray.get(m.drain_ref)
                 except Exception as e:
@@ -722,7 +732,7 @@ def scale_main(args) -> int:
     if args.wait <= 0:
         return 0
     deadline = time.monotonic() + args.wait
-    while not ray.get(controller.ready.remote(), timeout=60):
+    while not _ready(ray, controller):
         if time.monotonic() > deadline:
             print(f"pdserve scale: not there within {args.wait:g} s (the controller goes on; `pdserve scale` "
                   f"without sizes shows why)", file=sys.stderr)
@@ -730,6 +740,13 @@ def scale_main(args) -> int:
         time.sleep(0.5)
     print_status(ray.get(controller.status.remote(), timeout=30), events=0)
     return 0
+
+
+def _ready(ray, controller) -> bool:
+    try:
+        return ray.get(controller.ready.remote(), timeout=60)
+    except ray.exceptions.GetTimeoutError:   # a slow controller: ask again until the caller's deadline
+        return False
 
 
 def print_status(status: dict, events: int = 10) -> None:
