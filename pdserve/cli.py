@@ -69,6 +69,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "heads and intermediate size (the default model: 1 or 3)")
     g.add_argument("--cpu-cores", default=None,
                    help="pin the engine process to these cores, e.g. 0,1 (CPU deployments)")
+    g.add_argument("--cpu-core-lending", default=None, metavar="FILE",
+                   help="share cores with the other engines on this host that name the same FILE: --cpu-cores are "
+                        "this engine's own, and for each step it also runs on the cores of those that are idle "
+                        "(`pdserve up` sets it on CPU; needs --cpu-cores)")
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
@@ -185,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "pool the router may send a request to directly (conditional disaggregation)")
     up.add_argument("--colocated-args", default="", metavar="'FLAGS'",
                     help="more `pdserve serve` flags for the colocated instances only")
+    up.add_argument("--no-core-lending", action="store_true",
+                    help="CPU: keep each instance on its own cores only (default: an idle instance's cores run the "
+                         "busy ones' steps, docs/architecture.md)")
     up.add_argument("--gpus", default=None, metavar="LIST",
                     help="CUDA: the GPUs to use, e.g. 0,1 (default: all); one instance per GPU, round-robin "
                          "when there are more instances than GPUs")
@@ -292,7 +299,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   enable_chunked_prefill=not args.no_chunked_prefill,
                                   async_scheduling=args.async_scheduling),
         kv_transfer=kv, parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
-        num_threads=args.num_threads, cpu_affinity=cores)
+        num_threads=args.num_threads, cpu_affinity=cores, core_lending=args.cpu_core_lending)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -417,7 +424,8 @@ def up_main(args: argparse.Namespace) -> int:
                        kv_connector=args.kv_connector, prefill_args=role_args["prefill"],
                        decode_args=role_args["decode"], api_key=args.api_key,
                        num_colocated=args.num_colocated, colocated_args=role_args["colocated"], gpus=gpus,
-                       proxy_args=routing_args + role_args["proxy"], kv_store_capacity=args.kv_store_capacity)
+                       proxy_args=routing_args + role_args["proxy"], kv_store_capacity=args.kv_store_capacity,
+                       core_lending=not args.no_core_lending)
 
 
 def up_ray(args: argparse.Namespace, serve_args: list[str], role_args: dict[str, list[str]],

@@ -169,6 +169,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     num_threads: int | None = None        # torch CPU threads (per TP rank); None: one per allowed core
     cpu_affinity: list[int] | None = None  # pin the engine process (its TP ranks: a share each) to these cores
+    # A group file shared with the other engines of this host (worker/core_lending.py): cpu_affinity is
+    # then this engine's home, and the idle engines' cores are borrowed step by step.
+    core_lending: str | None = None
 
     def validate(self) -> None:
         self.model.validate()
@@ -177,6 +180,10 @@ class EngineConfig:
         self.kv_transfer.validate()
         self.parallel.validate()
         connector = self.kv_transfer.kv_connector
+        if self.core_lending and not self.cpu_affinity:
+            raise ValueError("core_lending: needs cpu_affinity, the cores this engine owns (--cpu-cores)")
+        if self.core_lending and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("core_lending: not for tensor-parallel instances (each rank would need its own share)")
         if self.parallel.tensor_parallel_size > 1 and connector is not None and connector not in TP_KV_CONNECTORS:
             raise ValueError(f"tensor_parallel_size: {self.parallel.tensor_parallel_size} with kv_connector "
                              f"{connector!r} is not supported yet; {', '.join(TP_KV_CONNECTORS)} hands over a "

@@ -19,6 +19,7 @@ deployments in turn.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -30,6 +31,7 @@ import urllib.request
 from typing import IO, Mapping, Sequence
 
 from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV, TP_KV_CONNECTORS
+from pdserve.worker.core_lending import default_group_dir
 
 HEALTH_TIMEOUT_S = 600
 GPU_MEMORY_FRACTION = 0.9   # of one GPU, for the instances `up` puts on it together (serve's default alone)
@@ -160,7 +162,7 @@ def instance_command(role: str, index: int, port: int, *, model: str, host: str,
                      role_args: Sequence[str], kv_connector: str, kv_transfer_config: str | None,
                      cores: Sequence[int] | None, num_threads: int | None = None,
                      gpu_memory_utilization: float | None = None, kv_store: str | None = None,
-                     tp_size: int = 1) -> list[str]:
+                     tp_size: int = 1, core_lending: str | None = None) -> list[str]:
     """`pdserve serve` for one instance: the shared flags, then the role's own (later flags win, so
     --prefill-args / --decode-args override what every instance gets). role: producer, consumer or
     colocated (no KV handoff: it prefills and decodes its requests itself; with the store connector it
@@ -176,6 +178,8 @@ def instance_command(role: str, index: int, port: int, *, model: str, host: str,
     # --num-threads (and num_threads here) is per tensor-parallel rank: each rank gets its share of the cores.
     if cores:
         cmd += ["--cpu-cores", ",".join(map(str, cores)), "--num-threads", str(max(1, len(cores) // tp_size))]
+        if core_lending and tp_size == 1:   # a TP instance's ranks keep their own cores
+            cmd += ["--cpu-core-lending", core_lending]
     elif num_threads:
         cmd += ["--num-threads", str(num_threads)]
     if gpu_memory_utilization is not None:
@@ -253,7 +257,7 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
                 kv_connector: str = "nixl", prefill_args: Sequence[str] = (),
                 decode_args: Sequence[str] = (), api_key: str | None = None, num_colocated: int = 0,
                 colocated_args: Sequence[str] = (), gpus: Sequence[int] | None = None,
-                proxy_args: Sequence[str] = (), kv_store_capacity: str = "1GiB") -> int:
+                proxy_args: Sequence[str] = (), kv_store_capacity: str = "1GiB", core_lending: bool = True) -> int:
     if min(num_prefill, num_decode, num_colocated) < 0:
         print("pdserve up: --num-prefill, --num-decode and --num-colocated must be >= 0", file=sys.stderr)
         return 2
@@ -287,6 +291,10 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
     cores = [None] * len(instances) if use_cuda else split_cores(len(instances), weights=tp_sizes)
     # More ranks than cores: the OS shares the cores, and each engine gets its share of threads.
     threads = None if use_cuda or cores[0] is not None else threads_per_instance(sum(tp_sizes))
+    # Disjoint cores, lent step by step to whichever instance is busy (worker/core_lending.py).
+    lending_file = None
+    if core_lending and cores[0] is not None and sum(t == 1 for t in tp_sizes) > 1:
+        lending_file = os.path.join(default_group_dir(), f"pdserve-cores-{os.getpid()}-{port}")
     cuda_devices = (list(gpus) if gpus is not None else list(range(num_gpus()))) if use_cuda else []
     if cuda_devices and max(tp_sizes) > len(cuda_devices):
         print(f"pdserve up: an instance with --tensor-parallel-size {max(tp_sizes)} needs as many GPUs, "
@@ -326,7 +334,8 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
             cmd = instance_command(role, i, inst_port, model=model, host=host, serve_args=serve_args,
                                    role_args=role_args[role], kv_connector=kv_connector,
                                    kv_transfer_config=kv_transfer_config, cores=cores[n], num_threads=threads,
-                                   gpu_memory_utilization=fraction, kv_store=kv_store, tp_size=tp_sizes[n])
+                                   gpu_memory_utilization=fraction, kv_store=kv_store, tp_size=tp_sizes[n],
+                                   core_lending=lending_file)
             name = f"{ROLE_NAMES[role]}-{i}"
             proc = children.start(cmd, name=name, env=env)
             commands[proc.pid] = (name, cmd, env)
@@ -362,3 +371,6 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
         return 1
     finally:
         children.stop()
+        if lending_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lending_file)

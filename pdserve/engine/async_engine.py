@@ -156,6 +156,7 @@ def _engine_loop(core, in_conn, out_conn) -> str | None:
                 degraded = core.degraded
                 out_conn.send(("degraded", degraded))
         if not busy:
+            core.idle()
             core.check_ranks()
             if core.broken is not None:
                 return core.broken

@@ -40,6 +40,7 @@ from pdserve.kv_transfer.factory import create_connector
 from pdserve.model.loader import load_tokenizer, resolve_model_path
 from pdserve.outputs import FinishReason, RequestOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.worker.core_lending import CoreLending
 from pdserve.worker.cpu_memory import keep_freed_memory
 from pdserve.worker.cpu_threads import set_num_threads
 from pdserve.worker.model_runner import ModelRunner, resolve_device_and_dtype
@@ -69,7 +70,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, num_blocks: int | None = None) -> None:
         config.validate()
         self.config = config
-        if config.cpu_affinity:
+        # Lending: the process may run on every core it was given; the thread count follows the cores
+        # it holds for each step (worker/core_lending.py).
+        if config.cpu_affinity and not config.core_lending:
             os.sched_setaffinity(0, config.cpu_affinity)
         mc = config.model
         mc.model = resolve_model_path(mc.model)
@@ -80,6 +83,11 @@ class EngineCore:
             set_num_threads(config.num_threads)
         if device.type == "cpu":
             keep_freed_memory()
+        self.core_lending = None
+        if config.core_lending:
+            if device.type != "cpu":
+                raise ValueError("core_lending: for CPU engines only")
+            self.core_lending = CoreLending(config.core_lending, config.cpu_affinity)
         # The connector is built after the runner: its compatibility hash needs the model's identity.
         if config.parallel.tensor_parallel_size > 1:
             self.runner = TPExecutor(config, num_blocks)
@@ -216,11 +224,25 @@ class EngineCore:
             return self._step(start)
         finally:
             self.busy_seconds += time.perf_counter() - start
+            if not self.has_work():
+                self.idle()
+
+    def idle(self) -> None:
+        """Nothing to compute (also after aborts that ran no step): this engine's cores may be lent."""
+        if self.core_lending is not None:
+            self.core_lending.idle()
 
     def _step(self, start: float) -> list[RequestOutput]:
         out = landing = outputs = None
         try:
             out = self.scheduler.schedule()
+            if self.core_lending is not None:
+                # Claim cores only for a step that computes: one that only polls transfers (a P whose
+                # KV D is still reading, a D waiting for it) lends them, or its peer decodes on one core.
+                if out.is_empty:
+                    self.core_lending.idle()
+                else:
+                    self.core_lending.before_step()
             if not self.async_scheduling and self._inflight is None:
                 return self._land(out, self.runner.execute_model(out), start)
             handle = self.runner.launch(out)
@@ -386,6 +408,8 @@ class EngineCore:
         return self.scheduler.kv.pool.take_events()
 
     def shutdown(self) -> None:
+        if self.core_lending is not None:
+            self.core_lending.close()
         try:
             if self.connector_worker is not None:
                 self.connector_worker.shutdown()

@@ -315,3 +315,24 @@ def test_up_ray_autoscale_flags_reach_the_spec_and_bad_ones_are_refused(monkeypa
     for bad in (["--max-instances", "1"], ["--slo-tpot-ms", "0"], ["--num-prefill", "0", "--num-colocated", "1"]):
         assert cli.main(["up", "--ray", "--autoscale", *bad]) == 2, bad
         assert "--autoscale" in capsys.readouterr().err, bad
+
+
+def test_up_on_cpu_lets_its_instances_lend_each_other_their_cores(monkeypatch):
+    """Disjoint cores, one group file for every single-rank instance; --no-core-lending keeps them apart."""
+    from pdserve.cluster import local as cluster
+    started = fake_children(monkeypatch)
+    monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert cli.main(["up", "--device", "cpu", "--port", "8200", "--num-colocated", "1"]) == 1
+    parsed = [cli.build_parser().parse_args(cmd[3:]) for cmd, _ in started]
+    assert [(a.cpu_cores, a.num_threads) for a in parsed] == [("0", 1), ("1", 1), ("2", 1)]
+    files = {a.cpu_core_lending for a in parsed}
+    assert len(files) == 1 and None not in files and "8200" in files.pop()
+    started.clear()
+    assert cli.main(["up", "--device", "cpu", "--port", "8200", "--no-core-lending"]) == 1
+    assert all(cli.build_parser().parse_args(c[3:]).cpu_core_lending is None for c, _ in started)
+    started.clear()   # a tensor-parallel instance keeps its cores; the other one has nobody to share with
+    assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
+                               serve_args=[], kv_transfer_config=None, device="cpu",
+                               prefill_args=["-tp", "2"]) == 1
+    assert len(started) == 2
+    assert all(cli.build_parser().parse_args(c[3:]).cpu_core_lending is None for c, _ in started)

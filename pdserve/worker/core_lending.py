@@ -1,0 +1,203 @@
+"""Cores lent between the engines of one CPU host: an idle instance's cores run a busy one's steps.
+
+Why: `pdserve up` on a CPU machine gives its instances disjoint cores, because OpenMP threads that
+outnumber the cores spin on descheduled peers (1P1D with both engines on both cores lost a third of its
+throughput, docs/benchmarks.md). But a disjoint split leaves a core idle whenever its instance is, which
+on a small machine is most of the time for one of them: 1P1D on a core each decoded a single stream at
+1.6x colocated TPOT and prefilled at 2x its TTFT. So each engine of a group keeps its own cores (its
+home) and, before each step, adds its share of the home cores of the instances that are idle or gone,
+running one torch thread per core it holds. An instance that turns busy claims its home back: it waits
+until no other instance's current step uses those cores (a borrower gives them back at its next step
+boundary), at most RECALL_S, then starts anyway; a wrong guess costs one step's speed, never an answer.
+It waits at most once for the same step of a borrower: one that is stopped or stuck in a long step costs
+its lender RECALL_S once, not at every step.
+
+The group is a file (under /dev/shm where there is one), one fixed-size record per instance, each
+written only by its own instance: pid, busy, a count of its steps, and two bitmaps, its home cores and
+the cores its current step uses. A record whose pid is gone is free (a restarted instance takes the first free one under the
+file's lock) and its cores are lent out. Reads are not atomic with writes; a torn read is one stale
+decision, corrected at the next step.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import time
+from typing import Callable, Iterable
+
+logger = logging.getLogger(__name__)
+
+MAX_CORES = 1024
+MAX_SLOTS = 256
+_BITMAP_BYTES = MAX_CORES // 8
+_RECORD = struct.Struct(f"<qqq{_BITMAP_BYTES}s{_BITMAP_BYTES}s")   # pid, busy, steps, home, using
+_PID = struct.Struct("<q")
+RECALL_S = 0.25          # how long a busy-again instance waits for borrowers to leave its home cores
+_RECALL_POLL_S = 0.001
+_ALIVE_TTL_S = 1.0       # how long a peer's liveness (a kill(pid, 0)) is trusted
+
+
+def _bitmap(cores: Iterable[int]) -> bytes:
+    value = 0
+    for core in cores:
+        if not 0 <= core < MAX_CORES:
+            raise ValueError(f"core {core}: core lending handles cores 0..{MAX_CORES - 1}")
+        value |= 1 << core
+    return value.to_bytes(_BITMAP_BYTES, "little")
+
+
+def _cores(bitmap: bytes) -> frozenset[int]:
+    value = int.from_bytes(bitmap, "little")
+    return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
+
+
+def default_group_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else "/tmp"
+
+
+def plan(me: int, peers: list[tuple[int, bool, frozenset[int]]]) -> list[int]:
+    """The cores slot `me` runs its next step on. peers: (slot, busy, home) of every live instance,
+    `me` included (and counted busy); a dead instance is left out, so its home is free. The free cores
+    (the homes of idle instances) go round the busy instances in slot order, so that instances that
+    read the same state agree on who gets which core."""
+    busy = sorted(slot for slot, is_busy, _ in peers if is_busy or slot == me)
+    mine = next(home for slot, _, home in peers if slot == me)
+    taken = set().union(*(home for slot, is_busy, home in peers if is_busy or slot == me))
+    every = set().union(*(home for _, _, home in peers))
+    free = sorted(every - taken)
+    lent = [core for j, core in enumerate(free) if busy[j % len(busy)] == me]
+    return sorted(mine) + lent
+
+
+class CoreLending:
+    """This engine's record in a group file; before_step() / idle() around the engine's steps."""
+
+    def __init__(self, path: str, home: Iterable[int], *,
+                 set_threads: Callable[[int], None] | None = None) -> None:
+        self.home = frozenset(home)
+        if not self.home:
+            raise ValueError("core lending: an instance needs at least one core of its own (--cpu-cores)")
+        self.path = path
+        self.pid = os.getpid()
+        if set_threads is None:
+            import torch   # here, not at the top: `pdserve up` reads default_group_dir without loading torch
+            set_threads = torch.set_num_threads
+        self._set_threads = set_threads
+        self._alive: dict[int, tuple[bool, float]] = {}
+        size = MAX_SLOTS * _RECORD.size
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                if os.fstat(self._fd).st_size < size:
+                    os.ftruncate(self._fd, size)
+                self._map = mmap.mmap(self._fd, size)
+                self.steps = 0
+                self.slot = next((s for s in range(MAX_SLOTS) if not self._is_alive(self._read(s)[0], 0.0)), None)
+                if self.slot is None:
+                    self._map.close()
+                    raise RuntimeError(f"core lending group {path}: all {MAX_SLOTS} places are taken")
+                self._write(busy=False, using=())
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.busy = False
+        self.using: list[int] = sorted(self.home)
+        self.threads = len(self.home)
+        self.num_recalls_timed_out = 0
+        self._waited_on: set[tuple[int, int, int]] = set()   # (slot, pid, steps) of borrowers waited out
+        logger.info("core lending: cores %s of group %s (place %d)", sorted(self.home), path, self.slot)
+        shared = sorted(set().union(*(home & self.home for slot, _, _, _, home, _ in self._peers() if slot != self.slot)))
+        if shared:   # two homes on one core: their threads outnumber it whenever both are busy
+            logger.warning("core lending: cores %s are also another instance's own in %s", shared, path)
+
+    # -- the record ----------------------------------------------------------------------------------
+    def _read(self, slot: int) -> tuple[int, bool, int, frozenset[int], frozenset[int]]:
+        pid, busy, steps, home, using = _RECORD.unpack_from(self._map, slot * _RECORD.size)
+        return pid, bool(busy), steps, _cores(home), _cores(using)
+
+    def _write(self, *, busy: bool, using: Iterable[int], pid: int | None = None) -> None:
+        _RECORD.pack_into(self._map, self.slot * _RECORD.size, self.pid if pid is None else pid, int(busy),
+                          self.steps, _bitmap(self.home), _bitmap(using))
+
+    def _is_alive(self, pid: int, now: float) -> bool:
+        if pid <= 0:
+            return False
+        if pid == self.pid:
+            return True
+        known = self._alive.get(pid)
+        if known is not None and now - known[1] < _ALIVE_TTL_S:
+            return known[0]
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:   # another user's process holds that pid: not one of ours
+            alive = False
+        self._alive[pid] = (alive, now)
+        return alive
+
+    def _peers(self) -> list[tuple[int, int, bool, int, frozenset[int], frozenset[int]]]:
+        now = time.monotonic()
+        out = []
+        for slot in range(MAX_SLOTS):
+            pid, = _PID.unpack_from(self._map, slot * _RECORD.size)   # most places are empty: skip them cheaply
+            if pid and self._is_alive(pid, now):
+                out.append((slot, *self._read(slot)))
+        return out
+
+    # -- around the engine's steps ---------------------------------------------------------------------
+    def before_step(self) -> int:
+        """Claim this step's cores and set the thread count to match; returns it."""
+        self.steps += 1
+        if not self.busy:
+            self.busy = True
+            self._write(busy=True, using=self.home)
+            self._recall()
+        peers = self._peers()
+        cores = plan(self.slot, [(slot, busy, home) for slot, _, busy, _, home, _ in peers])
+        self._write(busy=True, using=cores)   # every step: a lender tells a new step from a stuck one
+        self.using = cores
+        if len(cores) != self.threads:
+            self._set_threads(len(cores))
+            self.threads = len(cores)
+        return self.threads
+
+    def _recall(self) -> None:
+        """Wait (at most RECALL_S) until no other instance's step runs on this one's home cores."""
+        deadline = time.monotonic() + RECALL_S
+        while True:
+            steps = {(slot, pid, steps) for slot, pid, _, steps, _, using in self._peers()
+                     if slot != self.slot and using & self.home}
+            self._waited_on &= steps   # a borrower that moved on is waited for again at its next step
+            borrowers = steps - self._waited_on
+            if not borrowers:
+                return
+            if time.monotonic() >= deadline:
+                self.num_recalls_timed_out += 1
+                self._waited_on |= borrowers
+                logger.debug("core lending: cores %s still in use by place(s) %s after %.2f s; going on",
+                             sorted(self.home), sorted(b[0] for b in borrowers), RECALL_S)
+                return
+            time.sleep(_RECALL_POLL_S)
+
+    def idle(self) -> None:
+        """Nothing to compute: lend the home cores out until the next step."""
+        if self.busy:
+            self.busy = False
+            self.using = []
+            self._write(busy=False, using=())
+
+    def close(self) -> None:
+        """Leave the group: the record is free again and its cores lent out."""
+        if self._map.closed:
+            return
+        self._write(busy=False, using=(), pid=0)
+        self._map.close()
+        os.close(self._fd)
