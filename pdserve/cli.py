@@ -68,11 +68,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "them; CUDA: NCCL, one visible GPU per rank); it must divide the model's query heads, KV "
                         "heads and intermediate size (the default model: 1 or 3)")
     g.add_argument("--cpu-cores", default=None,
-                   help="pin the engine process to these cores, e.g. 0,1 (CPU deployments)")
+                   help="pin the engine process to these cores, e.g. 0,1 (CPU deployments); with --cpu-core-lending "
+                        "they are its own cores instead, and the process is not pinned")
     g.add_argument("--cpu-core-lending", default=None, metavar="FILE",
                    help="share cores with the other engines on this host that name the same FILE: --cpu-cores are "
                         "this engine's own, and for each step it also runs on the cores of those that are idle "
-                        "(`pdserve up` sets it on CPU; needs --cpu-cores)")
+                        "(`pdserve up` sets it on CPU for two or more single-rank instances on their own cores; "
+                        "needs --cpu-cores)")
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:

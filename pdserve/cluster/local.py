@@ -31,7 +31,6 @@ import urllib.request
 from typing import IO, Mapping, Sequence
 
 from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV, TP_KV_CONNECTORS
-from pdserve.worker.core_lending import default_group_dir
 
 HEALTH_TIMEOUT_S = 600
 GPU_MEMORY_FRACTION = 0.9   # of one GPU, for the instances `up` puts on it together (serve's default alone)
@@ -293,8 +292,16 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
     threads = None if use_cuda or cores[0] is not None else threads_per_instance(sum(tp_sizes))
     # Disjoint cores, lent step by step to whichever instance is busy (worker/core_lending.py).
     lending_file = None
-    if core_lending and cores[0] is not None and sum(t == 1 for t in tp_sizes) > 1:
-        lending_file = os.path.join(default_group_dir(), f"pdserve-cores-{os.getpid()}-{port}")
+    lenders = sum(t == 1 for t in tp_sizes)
+    if core_lending and cores[0] is not None and lenders > 1:
+        # here, not at the top: what imports pdserve.cluster (bench compare) stays off the engine's modules
+        from pdserve.worker.core_lending import MAX_CORES, MAX_SLOTS, create_group_file
+        top_core = max(c for cs in cores for c in cs)
+        if lenders > MAX_SLOTS or top_core >= MAX_CORES:
+            print(f"pdserve up: no core lending for {lenders} instances on cores up to {top_core} (it takes "
+                  f"{MAX_SLOTS} and cores below {MAX_CORES})", file=sys.stderr)
+        else:
+            lending_file = create_group_file()
     cuda_devices = (list(gpus) if gpus is not None else list(range(num_gpus()))) if use_cuda else []
     if cuda_devices and max(tp_sizes) > len(cuda_devices):
         print(f"pdserve up: an instance with --tensor-parallel-size {max(tp_sizes)} needs as many GPUs, "

@@ -156,7 +156,8 @@ def _engine_loop(core, in_conn, out_conn) -> str | None:
                 degraded = core.degraded
                 out_conn.send(("degraded", degraded))
         if not busy:
-            core.idle()
+            if not core.has_work():   # `busy` was read before the messages: a request may have come since
+                core.idle()
             core.check_ranks()
             if core.broken is not None:
                 return core.broken

@@ -14,17 +14,25 @@ its lender RECALL_S once, not at every step.
 
 The group is a file (under /dev/shm where there is one), one fixed-size record per instance, each
 written only by its own instance: pid, busy, a count of its steps, and two bitmaps, its home cores and
-the cores its current step uses. A record whose pid is gone is free (a restarted instance takes the first free one under the
-file's lock) and its cores are lent out. Reads are not atomic with writes; a torn read is one stale
-decision, corrected at the next step.
+the cores its current step uses. A record whose pid is gone is free (a restarted instance takes the
+first free one under the file's lock) and its cores are lent out. Reads are not atomic with writes; a
+torn read is one stale decision, corrected at the next step, and anything lending cannot make sense of
+(a bad record, an error) leaves the engine on its home cores: lending costs speed, never a step.
+`pdserve up` creates the file (O_EXCL, mode 0600, a random name) and removes it at exit; an engine
+refuses a symlink or another user's file.
+
+The engine's process is not pinned while it lends: its threads go where the OS puts them among the cores
+it was allowed, and the thread count, not a pin, keeps it to its share.
 """
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import mmap
 import os
 import struct
+import tempfile
 import time
 from typing import Callable, Iterable
 
@@ -34,10 +42,10 @@ MAX_CORES = 1024
 MAX_SLOTS = 256
 _BITMAP_BYTES = MAX_CORES // 8
 _RECORD = struct.Struct(f"<qqq{_BITMAP_BYTES}s{_BITMAP_BYTES}s")   # pid, busy, steps, home, using
-_PID = struct.Struct("<q")
 RECALL_S = 0.25          # how long a busy-again instance waits for borrowers to leave its home cores
 _RECALL_POLL_S = 0.001
 _ALIVE_TTL_S = 1.0       # how long a peer's liveness (a kill(pid, 0)) is trusted
+JOIN_TIMEOUT_S = 10.0    # for the file's lock, held by a joining instance for microseconds
 
 
 def _bitmap(cores: Iterable[int]) -> bytes:
@@ -49,6 +57,7 @@ def _bitmap(cores: Iterable[int]) -> bytes:
     return value.to_bytes(_BITMAP_BYTES, "little")
 
 
+@functools.lru_cache(maxsize=4096)   # a group has few distinct bitmaps, read at every step
 def _cores(bitmap: bytes) -> frozenset[int]:
     value = int.from_bytes(bitmap, "little")
     return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
@@ -58,9 +67,16 @@ def default_group_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else "/tmp"
 
 
+def create_group_file() -> str:
+    """A new, empty group file of this user's only (`pdserve up`'s; it removes it at exit)."""
+    fd, path = tempfile.mkstemp(prefix="pdserve-cores-", dir=default_group_dir())
+    os.close(fd)
+    return path
+
+
 def plan(me: int, peers: list[tuple[int, bool, frozenset[int]]]) -> list[int]:
-    """The cores slot `me` runs its next step on. peers: (slot, busy, home) of every live instance,
-    `me` included (and counted busy); a dead instance is left out, so its home is free. The free cores
+    """The cores slot `me` runs its next step on. peers: (slot, busy, home) of every instance, `me`
+    included (and counted busy); a dead or departed one is listed idle, so its home is free. The free cores
     (the homes of idle instances) go round the busy instances in slot order, so that instances that
     read the same state agree on who gets which core."""
     busy = sorted(slot for slot, is_busy, _ in peers if is_busy or slot == me)
@@ -83,14 +99,25 @@ class CoreLending:
         self.path = path
         self.pid = os.getpid()
         if set_threads is None:
-            import torch   # here, not at the top: `pdserve up` reads default_group_dir without loading torch
+            import torch   # here, not at the top: `pdserve up` creates the group file without loading torch
             set_threads = torch.set_num_threads
         self._set_threads = set_threads
         self._alive: dict[int, tuple[bool, float]] = {}
         size = MAX_SLOTS * _RECORD.size
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            if os.fstat(self._fd).st_uid != os.geteuid():
+                raise RuntimeError(f"core lending group {path}: the file belongs to another user")
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise RuntimeError(f"core lending group {path}: its lock stayed taken for "
+                                           f"{JOIN_TIMEOUT_S:.0f} s") from None
+                    time.sleep(0.01)
             try:
                 if os.fstat(self._fd).st_size < size:
                     os.ftruncate(self._fd, size)
@@ -100,19 +127,22 @@ class CoreLending:
                 if self.slot is None:
                     self._map.close()
                     raise RuntimeError(f"core lending group {path}: all {MAX_SLOTS} places are taken")
-                self._write(busy=False, using=())
+                # Busy until the engine's loop first finds nothing to do: it is still loading and warming up.
+                self._write(busy=True, using=self.home)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         except BaseException:
             os.close(self._fd)
             raise
-        self.busy = False
+        self.busy = True
         self.using: list[int] = sorted(self.home)
-        self.threads = len(self.home)
+        self.threads: int | None = None   # set at the first step, whatever the engine started with
+        self._failed = False
         self.num_recalls_timed_out = 0
         self._waited_on: set[tuple[int, int, int]] = set()   # (slot, pid, steps) of borrowers waited out
         logger.info("core lending: cores %s of group %s (place %d)", sorted(self.home), path, self.slot)
-        shared = sorted(set().union(*(home & self.home for slot, _, _, _, home, _ in self._peers() if slot != self.slot)))
+        shared = sorted(set().union(*(home & self.home for slot, pid, _, _, home, _ in self._peers()
+                                      if slot != self.slot and pid)))
         if shared:   # two homes on one core: their threads outnumber it whenever both are busy
             logger.warning("core lending: cores %s are also another instance's own in %s", shared, path)
 
@@ -136,9 +166,9 @@ class CoreLending:
         try:
             os.kill(pid, 0)
             alive = True
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):   # gone, or another user's process: not ours
             alive = False
-        except PermissionError:   # another user's process holds that pid: not one of ours
+        except (OverflowError, OSError, ValueError):      # not a pid at all: a bad record
             alive = False
         self._alive[pid] = (alive, now)
         return alive
@@ -147,27 +177,47 @@ class CoreLending:
         now = time.monotonic()
         out = []
         for slot in range(MAX_SLOTS):
-            pid, = _PID.unpack_from(self._map, slot * _RECORD.size)   # most places are empty: skip them cheaply
+            pid, busy, steps, home, using = self._read(slot)
+            if not home:   # never taken: places are taken first-free, so none past it is either
+                break
             if pid and self._is_alive(pid, now):
-                out.append((slot, *self._read(slot)))
+                out.append((slot, pid, busy, steps, home, using))
+            else:          # dead or departed: idle, its cores free
+                out.append((slot, 0, False, 0, home, frozenset()))
         return out
 
     # -- around the engine's steps ---------------------------------------------------------------------
     def before_step(self) -> int:
         """Claim this step's cores and set the thread count to match; returns it."""
         self.steps += 1
-        if not self.busy:
-            self.busy = True
-            self._write(busy=True, using=self.home)
-            self._recall()
-        peers = self._peers()
-        cores = plan(self.slot, [(slot, busy, home) for slot, _, busy, _, home, _ in peers])
-        self._write(busy=True, using=cores)   # every step: a lender tells a new step from a stuck one
+        try:
+            cores = self._claim()
+        except Exception:   # lending must never fail a step: stay home
+            if not self._failed:
+                logger.exception("core lending failed; this engine keeps to its own cores %s", sorted(self.home))
+                self._failed = True
+            cores = sorted(self.home)
         self.using = cores
         if len(cores) != self.threads:
             self._set_threads(len(cores))
             self.threads = len(cores)
         return self.threads
+
+    def _claim(self) -> list[int]:
+        if not self.busy:
+            self.busy = True
+            self._write(busy=True, using=self.home)
+            self._recall()
+        peers = [(slot, busy, home) for slot, _, busy, _, home, _ in self._peers()]
+        cores = plan(self.slot, peers)
+        self._write(busy=True, using=cores)   # every step: a lender tells a new step from a stuck one
+        # A lender may have turned busy between that read and this write, and found no borrower on its
+        # cores: read the lenders again, after the write, and leave theirs to them.
+        lenders = [slot for slot, _, home in peers if slot != self.slot and home & set(cores)]
+        if any(self._read(slot)[1] for slot in lenders):
+            cores = plan(self.slot, [(slot, busy, home) for slot, _, busy, _, home, _ in self._peers()])
+            self._write(busy=True, using=cores)
+        return cores
 
     def _recall(self) -> None:
         """Wait (at most RECALL_S) until no other instance's step runs on this one's home cores."""

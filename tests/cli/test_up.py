@@ -1,6 +1,7 @@
 """`pdserve up`: each side can be tuned on its own (--prefill-args / --decode-args)."""
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -320,13 +321,17 @@ def test_up_ray_autoscale_flags_reach_the_spec_and_bad_ones_are_refused(monkeypa
 def test_up_on_cpu_lets_its_instances_lend_each_other_their_cores(monkeypatch):
     """Disjoint cores, one group file for every single-rank instance; --no-core-lending keeps them apart."""
     from pdserve.cluster import local as cluster
+    from pdserve.worker.core_lending import default_group_dir
     started = fake_children(monkeypatch)
     monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert cli.main(["up", "--device", "cpu", "--port", "8200", "--num-colocated", "1"]) == 1
     parsed = [cli.build_parser().parse_args(cmd[3:]) for cmd, _ in started]
     assert [(a.cpu_cores, a.num_threads) for a in parsed] == [("0", 1), ("1", 1), ("2", 1)]
     files = {a.cpu_core_lending for a in parsed}
-    assert len(files) == 1 and None not in files and "8200" in files.pop()
+    assert len(files) == 1 and None not in files
+    path = files.pop()
+    assert os.path.basename(path).startswith("pdserve-cores-") and os.path.dirname(path) == default_group_dir()
+    assert not os.path.exists(path)               # made for the cluster, removed with it
     started.clear()
     assert cli.main(["up", "--device", "cpu", "--port", "8200", "--no-core-lending"]) == 1
     assert all(cli.build_parser().parse_args(c[3:]).cpu_core_lending is None for c, _ in started)

@@ -2,6 +2,7 @@
 lender's cores with its deadline, dead instances, and an engine that lends while idle."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -40,8 +41,10 @@ class Threads:
 def group(tmp_path):
     made = []
 
-    def make(home, threads=None):
+    def make(home, threads=None, idle=True):
         lending = CoreLending(str(tmp_path / "cores"), home, set_threads=threads or Threads())
+        if idle:   # joined busy (still loading); these tests start from an idle instance
+            lending.idle()
         made.append(lending)
         return lending
     yield make
@@ -90,24 +93,28 @@ def test_a_lender_waits_only_until_the_borrowers_step_ends(group):
 
 def test_a_dead_instances_place_and_cores_are_taken_over(group, tmp_path):
     path = tmp_path / "cores"
-    # an instance that joins and dies without leaving (SIGKILL: no close)
+    a = group([0])
+    # an instance that joins, takes place 1 and dies busy without leaving (as under SIGKILL: no close)
     subprocess.run([sys.executable, "-c", "import os; from pdserve.worker.core_lending import CoreLending; "
                     f"c = CoreLending({str(path)!r}, [1], set_threads=lambda n: None); c.before_step(); "
                     "os._exit(0)"], check=True, timeout=60)
-    a = group([0])
-    assert a.slot == 0                            # place 0 was free
-    b = group([2])
+    assert a.slot == 0
+    assert a.before_step() == 2 and a.using == [0, 1]   # core 1's owner is gone: its core is lent
+    b = group([1], idle=False)                    # its restart
     assert b.slot == 1                            # the dead instance's place, taken over
-    assert a.before_step() == 2 and a.using == [0, 2]   # core 1's owner is gone and left no record
+    assert a.before_step() == 1 and a.using == [0]      # b joined busy (loading): core 1 is b's again
 
 
 def test_an_instance_that_leaves_lends_its_cores_and_frees_its_place(group):
     a, b = group([0]), group([1])
     b.before_step()
+    assert a.before_step() == 1
     b.close()
-    assert a.before_step() == 1                   # b left: its record is gone with its cores
-    c = group([1])
-    assert c.slot == 1 and a.before_step() == 2
+    assert a.before_step() == 2                   # b left: its core is lent
+    c = group([1], idle=False)
+    assert c.slot == 1 and a.before_step() == 1   # c joins busy and keeps its core
+    c.idle()
+    assert a.before_step() == 2
 
 
 def test_core_lending_needs_own_cores_and_one_rank():
@@ -119,15 +126,21 @@ def test_core_lending_needs_own_cores_and_one_rank():
         config.validate()
 
 
-def test_an_engine_holds_its_cores_while_it_computes_and_lends_them_when_idle(tmp_path):
+def _lending_engine(tmp_path, group_file: str):
+    """A tiny-model engine owning core 0 of `group_file`."""
     from pdserve.engine.engine_core import EngineCore
+    config = EngineConfig(model=ModelConfig(model=make_tiny_hf_model(tmp_path, "llama")),
+                          cache=CacheConfig(kv_cache_memory=8 << 20), scheduler=SchedulerConfig(max_num_seqs=4),
+                          num_threads=1, cpu_affinity=[0], core_lending=group_file)
+    return EngineCore(config)
+
+
+def test_an_engine_holds_its_cores_while_it_computes_and_lends_them_when_idle(tmp_path):
     group_file = str(tmp_path / "cores")
     other = CoreLending(group_file, [1], set_threads=lambda n: None)
+    other.idle()
     try:
-        config = EngineConfig(model=ModelConfig(model=make_tiny_hf_model(tmp_path, "llama")),
-                              cache=CacheConfig(kv_cache_memory=8 << 20), scheduler=SchedulerConfig(max_num_seqs=4),
-                              num_threads=1, cpu_affinity=[0], core_lending=group_file)
-        core = EngineCore(config)
+        core = _lending_engine(tmp_path, group_file)
         try:
             core.add_request("r", [104, 105, 106], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
             steps = []
@@ -149,14 +162,11 @@ def test_an_engine_whose_step_only_waits_for_transfers_lends_its_cores(tmp_path)
     """A P whose KV D is still reading (or a D waiting for it) steps without computing: holding its cores
     then kept its peer decoding on one core (1P1D single-stream TPOT at 1.8x colocated)."""
     from pdserve.core.batch import SchedulerOutput
-    from pdserve.engine.engine_core import EngineCore
     group_file = str(tmp_path / "cores")
     other = CoreLending(group_file, [1], set_threads=lambda n: None)
+    other.idle()
     try:
-        config = EngineConfig(model=ModelConfig(model=make_tiny_hf_model(tmp_path, "llama")),
-                              cache=CacheConfig(kv_cache_memory=8 << 20), scheduler=SchedulerConfig(max_num_seqs=4),
-                              num_threads=1, cpu_affinity=[0], core_lending=group_file)
-        core = EngineCore(config)
+        core = _lending_engine(tmp_path, group_file)
         try:
             core.add_request("r", [104, 105, 106], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
             schedule = core.scheduler.schedule
@@ -173,3 +183,111 @@ def test_an_engine_whose_step_only_waits_for_transfers_lends_its_cores(tmp_path)
             core.shutdown()
     finally:
         other.close()
+
+
+def test_an_instance_joins_busy_and_sets_its_threads_at_its_first_step(group):
+    threads = Threads()
+    a = group([0], threads, idle=False)
+    b = group([1], idle=False)
+    assert a.busy and b.busy
+    assert a.before_step() == 1 and threads.calls == [1]   # set, though the engine may have started with more
+    b.idle()
+    assert a.before_step() == 2 and threads.calls == [1, 2]
+
+
+def test_a_bad_record_leaves_every_engine_on_its_own_cores_never_fails_a_step(group, monkeypatch):
+    a, b = group([0]), group([1])
+    b._write(busy=True, using=[1], pid=1 << 40)          # not a pid: os.kill overflows
+    assert a.before_step() == 2                           # read as a dead instance: its core is free
+    monkeypatch.setattr(core_lending, "plan", lambda *args: next(iter(())))   # whatever lending trips on
+    assert a.before_step() == 1 and a.using == [0]        # a keeps to its home; the step is not failed
+    assert a.before_step() == 1
+
+
+def test_a_group_file_that_is_a_symlink_or_another_users_is_refused(tmp_path):
+    target = tmp_path / "target"
+    target.write_bytes(b"x")
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(OSError):
+        CoreLending(str(tmp_path / "link"), [0], set_threads=lambda n: None)
+    assert target.read_bytes() == b"x"
+    if os.geteuid() == 0:
+        os.chown(target, 12345, 12345)
+        with pytest.raises(RuntimeError, match="another user"):
+            CoreLending(str(target), [0], set_threads=lambda n: None)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 2048])
+def test_linear_layers_give_the_same_bits_at_any_thread_count(rows):
+    """Lending changes an engine's threads from step to step: a row's numbers must not change with them,
+    or P/D output would depend on what the other instance was doing."""
+    import torch
+    from pdserve.model import layers
+    before = torch.get_num_threads()
+    try:
+        gen = torch.Generator().manual_seed(rows)
+        for out_features, in_features in [(960, 576), (576, 1536), (49152, 576)]:
+            x = torch.randn(rows, in_features, generator=gen)
+            w = torch.randn(out_features, in_features, generator=gen)
+            results = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                results.append(layers.linear(x, w))
+            assert torch.equal(results[0], results[1]), (out_features, in_features)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_engine_loop_does_not_lend_the_cores_of_a_burst_it_just_began():
+    """The loop read `busy` before taking its messages: a request that came while idle got its first step,
+    then the loop called idle() with work left, and peers borrowed the cores the next step had to recall."""
+    from pdserve.engine.async_engine import _engine_loop
+
+    class Core:
+        broken = degraded = None
+        last_step_was_empty = False
+
+        def __init__(self):
+            self.work, self.calls = 0, []
+
+        def has_work(self):
+            return self.work > 0
+
+        def add_request(self, *args):
+            self.work = 3                          # three steps to do
+
+        def step(self):
+            self.work -= 1
+            self.calls.append(("step", self.work))
+            return []
+
+        def idle(self):
+            self.calls.append(("idle", self.work))
+
+        def check_ranks(self):
+            pass
+
+        def stats(self):
+            return {}
+
+        def take_kv_events(self):
+            return []
+
+    class Conn:
+        def __init__(self, messages):
+            self.messages = messages
+
+        def poll(self, timeout=0.0):
+            return bool(self.messages)
+
+        def recv(self):
+            return self.messages.pop(0)
+
+        def send(self, msg):   # stop once the loop has idled past the burst
+            if msg[0] == "stats" and not core.work and ("idle", 0) in core.calls and not inbox.messages:
+                inbox.messages.append(("shutdown",))
+
+    core = Core()
+    inbox = Conn([("add", "r", [1, 2], None, None, None)])
+    assert _engine_loop(core, inbox, Conn([])) is None
+    assert [c for c in core.calls if c[0] == "idle"] and all(work == 0 for what, work in core.calls if what == "idle")
