@@ -33,8 +33,7 @@ def torch_decode(q, kv_layer, table, seq_lens, scale):
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4), (32, 8), (8, 1)])
 def test_the_kernel_matches_torch(num_heads, num_kv_heads):
-    # lengths: one token, a block boundary either side, and one long enough that a task's scores leave
-    # the stack buffer (2,500 tokens x 3 heads of a group > 4,096)
+    # lengths: one token, a block boundary either side, and a long one
     seq_lens = [1, 15, 16, 17, 300, 2500]
     q, kv_layer, table, lens = paged_case(seq_lens, num_heads, num_kv_heads)
     out = torch.full_like(q, float("nan"))
@@ -50,6 +49,32 @@ def test_eight_keys_at_a_time_cross_blocks_of_any_size(block_size, head_dim):
     out = torch.full_like(q, float("nan"))
     assert cpu_kernels.decode_attention(q, kv_layer, table, lens, 0.125, out)
     torch.testing.assert_close(out, torch_decode(q, kv_layer, table, lens, 0.125), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (32, 8)])
+def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(num_heads, num_kv_heads):
+    """A batch runs a task per sequence, a lone sequence a task per KV head (to keep every thread busy):
+    each query head's sums run in the same order either way, so a stream's answer cannot depend on the
+    others in its step."""
+    seq_lens = [300, 1, 17, 64] * 32   # 128 sequences: a task each on up to 32 threads
+    q, kv_layer, table, lens = paged_case(seq_lens, num_heads, num_kv_heads)
+    batched = torch.empty_like(q)
+    assert cpu_kernels.decode_attention(q, kv_layer, table, lens, 0.125, batched)
+    for i in range(4):
+        alone = torch.empty_like(q[i:i + 1])
+        assert cpu_kernels.decode_attention(q[i:i + 1], kv_layer, table[i:i + 1], lens[i:i + 1], 0.125, alone)
+        assert torch.equal(alone, batched[i:i + 1])
+
+
+def test_the_largest_score_anywhere_in_the_row():
+    """The softmax's maximum, taken eight lanes at a time: the largest score in each lane and in the tail
+    past the last eight."""
+    for position in (0, 5, 8, 15, 16, 19):
+        q, kv_layer, table, lens = paged_case([20], 1, 1, head_dim=16, block_size=4)
+        kv_layer[table[0, position // 4], 0, position % 4, 0] = q[0, 0] * 3   # this key's score stands out
+        out = torch.empty_like(q)
+        assert cpu_kernels.decode_attention(q, kv_layer, table, lens, 0.125, out)
+        torch.testing.assert_close(out, torch_decode(q, kv_layer, table, lens, 0.125), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scale", [4.0, 12.0])
