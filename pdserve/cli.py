@@ -400,7 +400,8 @@ def up_main(args: argparse.Namespace) -> int:
             print(f"pdserve up: --{role}-args {flags!r}: not valid `pdserve {command}` flags: "
                   f"{err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else ''}", file=sys.stderr)
             return 2
-    routing_args = ["--policy", args.policy, "--cost-tolerance", str(args.cost_tolerance)]
+    routing_args = ["--policy", args.policy, "--cost-tolerance", str(args.cost_tolerance),
+                    "--direct-prefill-headroom", str(args.direct_prefill_headroom)]
     if args.pd_min_prompt_tokens is not None:
         routing_args += ["--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens)]
     try:

@@ -26,7 +26,7 @@ class RouterCollector:
         p = METRIC_PREFIX
         decisions = CounterMetricFamily(p + "routing_decisions", "Requests routed, by the decision: disaggregated, "
                                         "or straight to a decode/colocated instance because of a short_prompt, "
-                                        "decode_has_prefix, prefill_saturated, or colocated (no P/D).",
+                                        "decode_has_prefix, prefill_saturated, prefill_backlog, or colocated (no P/D).",
                                         labels=["reason"])
         for reason, count in self.router.decisions.items():
             decisions.add_metric([reason], count)

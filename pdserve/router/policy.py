@@ -25,7 +25,8 @@ PREFILL = "prefill"   # a P: computes the prompt, holds its KV for a D
 DECODE = "decode"     # a D fed by a P: reads the KV it lacks, then generates
 DIRECT = "direct"     # a D or colocated instance that computes the prompt itself, then generates
 
-REASONS = ("short_prompt", "decode_has_prefix", "prefill_saturated", "disaggregated", "colocated")
+REASONS = ("short_prompt", "decode_has_prefix", "prefill_saturated", "prefill_backlog", "disaggregated",
+           "colocated")
 
 DEFAULT_PD_MIN_PROMPT_TOKENS = 0
 DEFAULT_MAX_HELD_FRACTION = 0.9
@@ -60,8 +61,9 @@ class RouterConfig:
     """pd_min_prompt_tokens: T of the decider (0: always disaggregate when a P can take the request).
     max_per_instance: requests in flight on one instance (None: no cap). max_held_fraction: a P's KV share
     held for transfer past which it takes no more prompts. balance_*: prefix-affinity's spill thresholds.
-    direct_prefill_headroom_s: a D takes a prompt itself, with every P at a cap, only while its prefill work
-    (queued + this prompt) stays under this many seconds: its running streams stall meanwhile.
+    direct_prefill_headroom_s: a D takes a prompt itself, with every P at a cap or more than this many seconds
+    of prompts queued (prefill_backlog), only while its prefill work (queued + this prompt) stays under this
+    many seconds: its running streams stall meanwhile. 0: no backlog rule, and no D prefills while a P is up.
     cost_tolerance: cost's estimates within this fraction of the lowest count as equal (see CostPolicy)."""
     pd_min_prompt_tokens: int = DEFAULT_PD_MIN_PROMPT_TOKENS
     max_per_instance: int | None = None
@@ -79,6 +81,8 @@ class RouterConfig:
             raise ValueError(f"max_per_instance: must be >= 1, got {self.max_per_instance}")
         if not 0.0 < self.max_held_fraction <= 1.0:
             raise ValueError(f"max_held_fraction: must be in (0, 1], got {self.max_held_fraction}")
+        if not self.direct_prefill_headroom_s >= 0.0:
+            raise ValueError(f"direct_prefill_headroom_s: must be >= 0, got {self.direct_prefill_headroom_s}")
         if not 0.0 <= self.affinity_min_cached <= 1.0:
             raise ValueError(f"affinity_min_cached: must be in [0, 1], got {self.affinity_min_cached}")
         if not 0.0 <= self.cost_tolerance <= 1.0:
@@ -112,11 +116,11 @@ def load(stage: str, inst: Instance) -> int:
     return inst.queued_prefill_tokens if stage == PREFILL else inst.num_in_flight
 
 
-def prefill_seconds(inst: Instance, uncached_tokens: int) -> float:
+def prefill_seconds(inst: Instance, uncached_tokens: int, rate: float | None = None) -> float:
     """When the prompt's last token is computed there: the prompt tokens queued ahead of it plus its own
-    uncached ones, at the instance's measured prefill rate. A cached prefix is skipped entirely, which is
-    what makes a busy P holding the prefix beat an idle one without it."""
-    return (inst.queued_prefill_tokens + uncached_tokens) / inst.prefill_tokens_per_s
+    uncached ones, at the instance's measured prefill rate (or `rate`). A cached prefix is skipped entirely,
+    which is what makes a busy P holding the prefix beat an idle one without it."""
+    return (inst.queued_prefill_tokens + uncached_tokens) / (rate or inst.prefill_tokens_per_s)
 
 
 def decode_wait_seconds(inst: Instance) -> float:
@@ -354,6 +358,10 @@ class Router:
             return self._saturated(directs, choice, exclude)
         if not decodes:   # no D can take a P's KV now, but colocated instances can serve on their own
             return self._direct(directs, choice, "colocated")
+        if self._backlogged(prefills):
+            candidates = self._with_headroom(directs, choice)
+            if candidates:
+                return self._direct(candidates, choice, "prefill_backlog")
         prefill, outcome = self.policy.choose(PREFILL, prefills, choice)
         self._count_pick(PREFILL, outcome)
         decode, outcome = self.policy.choose(DECODE, decodes, choice)
@@ -433,15 +441,31 @@ class Router:
         serving."""
         some_prefill_up = any(inst.role == "prefill" and inst.is_available and inst.name not in exclude
                               for inst in self.instances)
-        candidates = directs
-        if some_prefill_up:
-            headroom = self.config.direct_prefill_headroom_s
-            candidates = [inst for inst in directs if inst.role == "colocated"
-                          or prefill_seconds(inst, choice.uncached(inst)) <= headroom]
+        candidates = self._with_headroom(directs, choice) if some_prefill_up else directs
         if not candidates:
             self.num_no_candidate += 1
             return None
         return self._direct(candidates, choice, "prefill_saturated")
+
+    def _backlogged(self, prefills: Sequence[Instance]) -> bool:
+        """Every P has more than direct_prefill_headroom_s of prompts queued ahead of a new one: a D with
+        that headroom computes this prompt sooner than any P would start it (found on CPU, 1P1D at rate inf:
+        the D decoded small batches on its own while every prompt queued on the P)."""
+        headroom = self.config.direct_prefill_headroom_s
+        return headroom > 0 and all(prefill_seconds(inst, 0) > headroom for inst in prefills)
+
+    def _with_headroom(self, directs: Sequence[Instance], choice: Choice) -> list[Instance]:
+        """The direct candidates that may prefill this prompt now: colocated instances (their job), and Ds whose
+        prefill work, queued and this prompt's, stays under direct_prefill_headroom_s, since their running
+        streams stall meanwhile. A D that has not prefilled yet has no measured rate: it is taken at the
+        slowest rate measured on a P (the same model), not at the default, which may be far off either way."""
+        measured = [inst.prefill_tokens_per_s for inst in self.instances
+                    if inst.role == "prefill" and inst.rates_measured["prefill_tokens_per_s"]]
+        fallback = min(measured) if measured else None
+        headroom = self.config.direct_prefill_headroom_s
+        return [inst for inst in directs if inst.role == "colocated" or prefill_seconds(
+            inst, choice.uncached(inst),
+            None if inst.rates_measured["prefill_tokens_per_s"] else fallback) <= headroom]
 
     def _count_pick(self, stage: str, outcome: str) -> None:
         key = f"{stage}:{outcome}"

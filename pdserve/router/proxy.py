@@ -79,8 +79,8 @@ from pdserve.router.hops import BODY_BYTES, JSON, encode_json, prefill_hop, push
 from pdserve.router.instances import Instance, Ticket
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.monitor import DEFAULT_EJECT_AFTER, DEFAULT_POLL_INTERVAL_S, Monitor, StartupError
-from pdserve.router.policy import (DEFAULT_COST_TOLERANCE, DEFAULT_MAX_HELD_FRACTION, DEFAULT_PD_MIN_PROMPT_TOKENS,
-                                   POLICIES, Route, Router, RouterConfig, RouteRequest)
+from pdserve.router.policy import (DEFAULT_COST_TOLERANCE, DEFAULT_DIRECT_PREFILL_HEADROOM_S,
+                                   DEFAULT_MAX_HELD_FRACTION, DEFAULT_PD_MIN_PROMPT_TOKENS, POLICIES, Route, Router, RouterConfig, RouteRequest)
 from pdserve.router.recovery import final_hop
 from pdserve.tokenization import apply_chat_template, tokenize
 
@@ -574,6 +574,11 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                         "(or that a D holds all but T tokens of) goes straight to a decode or colocated instance, "
                         "which prefills it itself; 0: always disaggregate while a P can take it "
                         f"(default {DEFAULT_PD_MIN_PROMPT_TOKENS})")
+    g.add_argument("--direct-prefill-headroom", type=float, default=DEFAULT_DIRECT_PREFILL_HEADROOM_S, metavar="S",
+                   help="when every P has more than S seconds of prompts queued (or is at a cap), a decode "
+                        "instance whose own prefill work, queued and this prompt's, stays under S seconds "
+                        "computes the prompt itself; its running streams stall meanwhile, which S bounds "
+                        f"(default {DEFAULT_DIRECT_PREFILL_HEADROOM_S:g}; 0: a D never prefills while a P is up)")
     g.add_argument("--cost-tolerance", type=float, default=DEFAULT_COST_TOLERANCE, metavar="F",
                    help="cost: instances whose estimated time to first token is within this fraction of the best "
                         "one's count as equal, since the learned rates are noisy: the one with the longest cached "
@@ -635,7 +640,8 @@ def proxy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     shared with the Ray router actor, which takes the same flags. ValueError on a bad value."""
     config = RouterConfig(pd_min_prompt_tokens=args.pd_min_prompt_tokens,
                           max_per_instance=args.max_per_instance, max_held_fraction=args.max_held_fraction,
-                          cost_tolerance=args.cost_tolerance)
+                          cost_tolerance=args.cost_tolerance,
+                          direct_prefill_headroom_s=args.direct_prefill_headroom)
     return dict(api_key=args.api_key, timeout=args.timeout, router_key=args.router_key,
                 max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
                 max_recoveries=args.max_recoveries, policy=args.policy, router_config=config,

@@ -105,10 +105,11 @@ def test_up_checks_its_pools_gpus_and_proxy_flags(monkeypatch, capsys):
     calls = {}
     monkeypatch.setattr("pdserve.cluster.local.run_cluster", lambda **kw: calls.update(kw) or 0)
     assert cli.main(["up", "--num-colocated", "2", "--policy", "cost", "--pd-min-prompt-tokens", "64",
-                     "--cost-tolerance", "0.1", "--gpus", "0,1", "--proxy-args=--max-per-instance 8"]) == 0
+                     "--cost-tolerance", "0.1", "--direct-prefill-headroom", "0.5", "--gpus", "0,1",
+                     "--proxy-args=--max-per-instance 8"]) == 0
     assert calls["num_colocated"] == 2 and calls["gpus"] == [0, 1]
-    assert calls["proxy_args"] == ["--policy", "cost", "--cost-tolerance", "0.1", "--pd-min-prompt-tokens", "64",
-                                   "--max-per-instance", "8"]
+    assert calls["proxy_args"] == ["--policy", "cost", "--cost-tolerance", "0.1", "--direct-prefill-headroom", "0.5",
+                                   "--pd-min-prompt-tokens", "64", "--max-per-instance", "8"]
     assert cli.main(["up", "--proxy-args=--max-per-instnace 8"]) == 2
     assert "--proxy-args" in capsys.readouterr().err
     assert cli.main(["up", "--gpus", "0,0"]) == 2

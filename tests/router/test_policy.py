@@ -376,6 +376,38 @@ def test_prefill_saturated_goes_direct_while_the_decode_has_headroom():
     assert router.decisions["prefill_saturated"] == 2 and router.num_no_candidate == 1
 
 
+def test_a_backlogged_prefill_pool_sends_prompts_to_a_decode_with_headroom():
+    """Every P with more than the headroom of prompts queued: a D that would finish this prompt within the
+    headroom computes it itself; an idle P, or a D past its headroom, and the P/D route is taken."""
+    router = pd_router(512, prefill={"num_prefill_tokens_waiting": 8000})   # 2 s at the default 4,000 tok/s
+    assert names(router.route(req(2048))) == (None, "decode-0", "prefill_backlog")
+    assert router.decisions["prefill_backlog"] == 1
+    for d in ("decode-0", "decode-1"):            # both Ds past the headroom: the P queue it is
+        router.by_name[d].update({"boot_id": "b", "num_prefill_tokens_waiting": 4000}, now=0.1)
+    assert router.route(req(2048)).reason == "disaggregated"
+    router.by_name["prefill-0"].update({"boot_id": "b", "num_prefill_tokens_waiting": 100}, now=0.1)
+    router.by_name["decode-1"].update({"boot_id": "b", "num_prefill_tokens_waiting": 0}, now=0.1)
+    assert router.route(req(2048)).reason == "disaggregated"   # the P is not backlogged
+
+
+def test_no_backlog_rule_at_zero_headroom():
+    router = pd_router(512, prefill={"num_prefill_tokens_waiting": 10 ** 6}, direct_prefill_headroom_s=0.0)
+    assert router.route(req(2048)).reason == "disaggregated"
+    with pytest.raises(ValueError, match="direct_prefill_headroom_s"):
+        RouterConfig(direct_prefill_headroom_s=-1.0)
+
+
+def test_a_decode_without_a_measured_rate_is_taken_at_the_prefills_rate():
+    """A D that never prefilled has no rate of its own: the default (4,000 tokens/s) would let a slow CPU D
+    take a burst's worth of prompts at once. It is taken at the P's measured rate instead."""
+    router = pd_router(0, prefill={"num_prefill_tokens_waiting": 8000})
+    router.by_name["prefill-0"]._prefill_tokens_per_s = 500.0       # measured: a CPU P
+    # at 500 tokens/s the P's queue is 16 s: backlogged; a 256-token prompt is 0.5 s on a D at that rate
+    assert router.route(req(256)).reason == "prefill_backlog"
+    # 2,048 tokens would be 4 s at the P's rate (0.5 s at the default): over the headroom
+    assert router.route(req(2048)).reason == "disaggregated"
+
+
 def test_a_prefill_that_failed_the_request_counts_as_down():
     router = pd_router(512, decode={"num_prefill_tokens_waiting": 100000})
     router.by_name["decode-1"].update({"boot_id": "b", "num_prefill_tokens_waiting": 100000}, now=0.1)
@@ -458,7 +490,7 @@ def test_counters_and_cluster_status():
     counters = router.counters()
     assert counters["policy"] == "round-robin"
     assert counters["decisions"] == {"short_prompt": 1, "decode_has_prefix": 0, "prefill_saturated": 0,
-                                     "disaggregated": 1, "colocated": 0}
+                                     "prefill_backlog": 0, "disaggregated": 1, "colocated": 0}
     assert counters["no_candidate"] == 1
     status = router.cluster_status()
     assert status["mode"] == "pd" and [i["name"] for i in status["instances"]] == ["prefill-0", "decode-0"]
