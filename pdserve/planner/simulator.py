@@ -10,6 +10,9 @@ What each instance does per step is the scheduler's rule (core/scheduler.py), re
   sequences are in the instance and its KV fits: P reserves its prompt, D and colocated instances the prompt
   plus the whole answer (so the simulation never preempts; a real engine under KV pressure preempts and
   recomputes, which this leaves out);
+- a decode-only step runs as the CUDA graph of the smallest captured batch size that holds it
+  (worker/cuda_graphs.py): a batch of 65 costs the matmul rows of 128. The step profile was measured at
+  batch sizes that are all bucket sizes, so its fit cannot know this; the simulator adds it;
 - a P's request, once prefilled, is handed to its D after `handoff_latency_s + prompt KV bytes / rate`;
   it joins D's batch at D's next step, whose end is the first token the client sees. P frees its KV when
   the handoff ends.
@@ -39,6 +42,29 @@ from pdserve.planner.profile import StepModel, attention_pairs
 ARRIVAL, STEP_END, HANDOFF_DONE = 0, 1, 2
 POLICIES = ("round-robin", "least-load")
 POWER_OF_TWO_ABOVE = 16
+# The batch sizes pdserve captures decode CUDA graphs for (worker/cuda_graphs.py: BUCKETS, graph_buckets).
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """worker/cuda_graphs.graph_buckets, kept here so that the planner imports no torch: powers of two up
+    to 256, then steps of 128 up to max_num_seqs."""
+    small = [b for b in GRAPH_BUCKETS if b < max_num_seqs]
+    large = [b for b in GRAPH_BUCKETS if b >= max_num_seqs][:1] or \
+        list(range(GRAPH_BUCKETS[-1] + 128, max_num_seqs + 128, 128))
+    return tuple(small + large)
+
+
+def padded_batches(max_num_seqs: int) -> list[int]:
+    """rows[b]: the rows a decode-only step of b sequences runs through the model (its graph bucket)."""
+    rows = [0] * (max_num_seqs + 1)
+    buckets = graph_buckets(max_num_seqs)
+    i = 0
+    for b in range(1, max_num_seqs + 1):
+        while buckets[i] < b:
+            i += 1
+        rows[b] = buckets[i]
+    return rows
 
 
 @dataclass(frozen=True)
@@ -48,6 +74,9 @@ class EngineSpec:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     kv_capacity_tokens: int = 800_000
+    # A decode-only step replays the CUDA graph of the smallest captured batch size holding it, so its
+    # matmuls run that many rows (padded rows included); steps with a prefill run eager, unpadded.
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.kv_capacity_tokens < 1:
@@ -160,7 +189,7 @@ class Result:
 class _Instance:
     __slots__ = ("index", "role", "spec", "waiting", "incoming", "prefill_left", "admitted", "n_dec", "ctx_sum",
                  "finishing", "k", "busy", "kv_used", "seqs", "queued_tokens", "chunks", "joined", "load",
-                 "last_start")
+                 "last_start", "rows")
 
     def __init__(self, index: int, role: str, spec: EngineSpec):
         self.index, self.role, self.spec = index, role, spec
@@ -180,6 +209,7 @@ class _Instance:
         self.joined: list[int] = []               # D: requests whose first token this step makes
         self.load = 0            # D: sequences held, coming, or routed here
         self.last_start = 0.0    # when the step now running was scheduled
+        self.rows: list[float] | None = None   # pad_s[b]: what a decode-only step of b pays for its padding
 
 
 class Simulator:
@@ -193,6 +223,16 @@ class Simulator:
         self.decode = [_Instance(base + i, "decode", cluster.engine) for i in range(cluster.num_decode)]
         base += len(self.decode)
         self.colocated = [_Instance(base + i, "colocated", cluster.engine) for i in range(cluster.num_colocated)]
+        pads: dict[EngineSpec, list[float]] = {}
+        for inst in (*self.prefill, *self.decode, *self.colocated):
+            if inst.spec.cuda_graphs:
+                if inst.spec not in pads:
+                    # the padded rows go through the matmuls (per_token) like real ones; attention reads one
+                    # token for each: nothing
+                    w, t = model.weights, model.per_token
+                    pads[inst.spec] = [max(w, t * rows) - max(w, t * b)
+                                       for b, rows in enumerate(padded_batches(inst.spec.max_num_seqs))]
+                inst.rows = pads[inst.spec]
         self.rr = {"prefill": 0, "decode": 0, "colocated": 0}
 
     # -- the router ----------------------------------------------------------------------------------
@@ -349,7 +389,10 @@ class Simulator:
         inst.busy = True
         inst.last_start = now
         self.steps += 1
-        self._push(now + self.model.seconds(tokens, pairs, inst.n_dec, inst.ctx_sum), STEP_END, inst)
+        seconds = self.model.seconds(tokens, pairs, inst.n_dec, inst.ctx_sum)
+        if not tokens and inst.rows is not None:   # a decode-only step: its graph pads the batch
+            seconds += inst.rows[inst.n_dec]
+        self._push(now + seconds, STEP_END, inst)
 
     def _end_step(self, inst: _Instance, now: float) -> None:
         prompt, output = self.prompt, self.output

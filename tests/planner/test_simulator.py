@@ -154,3 +154,28 @@ def test_plan_refuses_non_finite_numbers(capsys):
         args = {"--rate": "1", "--slo-ttft-ms": "100", "--slo-tpot-ms": "10", flag: value}
         rc = cli_main(["plan", *[x for kv in args.items() for x in kv]])
         assert rc == 2 and flag in capsys.readouterr().err, flag
+
+
+def test_a_decode_only_step_costs_the_rows_of_its_cuda_graph_bucket():
+    """Three decoding sequences replay the graph captured for 4 (worker/cuda_graphs.py): 4 rows of matmuls.
+    The step profile only measured bucket sizes, so the fit alone would charge 3."""
+    model = StepModel(fixed=0.01, weights=0.0, per_token=0.001, per_context_token=0.0, per_attention_pair=0.0,
+                      per_decode_seq=0.0, prefill_step=0.0)
+    # step 1: A's prompt (10 + 10 x 1 ms); step 2, eager (a prefill): B's and C's prompts and A's decode
+    # (10 + 21 ms), ends at 0.051; step 3: A, B, C decode alone: the graph of 4 (10 + 4 ms), A is done at
+    # 0.065; step 4: B and C, the graph of 2 (12 ms): 0.077. Charged 3 rows, step 3 would end at 0.064.
+    r = run(ClusterSpec(num_colocated=1), [0.0, 0.0, 0.0], [10, 10, 10], [3, 3, 3], model=model)
+    assert r.finish.tolist() == pytest.approx([0.065, 0.077, 0.077])
+    eager = ClusterSpec(num_colocated=1, engine=EngineSpec(cuda_graphs=False))
+    assert run(eager, [0.0, 0.0, 0.0], [10, 10, 10], [3, 3, 3], model=model).finish.tolist() == \
+        pytest.approx([0.064, 0.076, 0.076])
+
+
+def test_the_graph_buckets_are_the_engines():
+    cuda_graphs = pytest.importorskip("pdserve.worker.cuda_graphs")
+    from pdserve.planner.simulator import graph_buckets, padded_batches
+    for max_num_seqs in (1, 3, 64, 100, 256, 300, 512, 1000):
+        assert graph_buckets(max_num_seqs) == cuda_graphs.graph_buckets(max_num_seqs), max_num_seqs
+        rows = padded_batches(max_num_seqs)
+        assert all(min(b for b in graph_buckets(max_num_seqs) if b >= n) == rows[n]
+                   for n in range(1, max_num_seqs + 1))
