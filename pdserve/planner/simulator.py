@@ -189,7 +189,7 @@ class Result:
 class _Instance:
     __slots__ = ("index", "role", "spec", "waiting", "incoming", "prefill_left", "admitted", "n_dec", "ctx_sum",
                  "finishing", "k", "busy", "kv_used", "seqs", "queued_tokens", "chunks", "joined", "load",
-                 "last_start", "rows")
+                 "last_start", "pad_s")
 
     def __init__(self, index: int, role: str, spec: EngineSpec):
         self.index, self.role, self.spec = index, role, spec
@@ -209,7 +209,7 @@ class _Instance:
         self.joined: list[int] = []               # D: requests whose first token this step makes
         self.load = 0            # D: sequences held, coming, or routed here
         self.last_start = 0.0    # when the step now running was scheduled
-        self.rows: list[float] | None = None   # pad_s[b]: what a decode-only step of b pays for its padding
+        self.pad_s: list[float] | None = None  # pad_s[b]: what a decode-only step of b pays for its padding
 
 
 class Simulator:
@@ -232,7 +232,7 @@ class Simulator:
                     w, t = model.weights, model.per_token
                     pads[inst.spec] = [max(w, t * rows) - max(w, t * b)
                                        for b, rows in enumerate(padded_batches(inst.spec.max_num_seqs))]
-                inst.rows = pads[inst.spec]
+                inst.pad_s = pads[inst.spec]
         self.rr = {"prefill": 0, "decode": 0, "colocated": 0}
 
     # -- the router ----------------------------------------------------------------------------------
@@ -390,8 +390,8 @@ class Simulator:
         inst.last_start = now
         self.steps += 1
         seconds = self.model.seconds(tokens, pairs, inst.n_dec, inst.ctx_sum)
-        if not tokens and inst.rows is not None:   # a decode-only step: its graph pads the batch
-            seconds += inst.rows[inst.n_dec]
+        if not tokens and inst.pad_s is not None:   # a decode-only step: its graph pads the batch
+            seconds += inst.pad_s[inst.n_dec]
         self._push(now + seconds, STEP_END, inst)
 
     def _end_step(self, inst: _Instance, now: float) -> None:

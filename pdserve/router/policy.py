@@ -459,10 +459,12 @@ class Router:
         prefill work, queued and this prompt's, stays under direct_prefill_headroom_s, since their running
         streams stall meanwhile. A D that has not prefilled yet has no measured rate: it is taken at the
         slowest rate measured on a P (the same model), not at the default, which may be far off either way."""
-        measured = [inst.prefill_tokens_per_s for inst in self.instances
-                    if inst.role == "prefill" and inst.rates_measured["prefill_tokens_per_s"]]
-        fallback = min(measured) if measured else None
         headroom = self.config.direct_prefill_headroom_s
+        fallback = None
+        if any(inst.role == "decode" and not inst.rates_measured["prefill_tokens_per_s"] for inst in directs):
+            measured = [inst.prefill_tokens_per_s for inst in self.instances
+                        if inst.role == "prefill" and inst.rates_measured["prefill_tokens_per_s"]]
+            fallback = min(measured, default=None)
         return [inst for inst in directs if inst.role == "colocated" or prefill_seconds(
             inst, choice.uncached(inst),
             None if inst.rates_measured["prefill_tokens_per_s"] else fallback) <= headroom]

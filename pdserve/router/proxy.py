@@ -80,7 +80,8 @@ from pdserve.router.instances import Instance, Ticket
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.monitor import DEFAULT_EJECT_AFTER, DEFAULT_POLL_INTERVAL_S, Monitor, StartupError
 from pdserve.router.policy import (DEFAULT_COST_TOLERANCE, DEFAULT_DIRECT_PREFILL_HEADROOM_S,
-                                   DEFAULT_MAX_HELD_FRACTION, DEFAULT_PD_MIN_PROMPT_TOKENS, POLICIES, Route, Router, RouterConfig, RouteRequest)
+                                   DEFAULT_MAX_HELD_FRACTION, DEFAULT_PD_MIN_PROMPT_TOKENS, POLICIES, Route, Router,
+                                   RouterConfig, RouteRequest)
 from pdserve.router.recovery import final_hop
 from pdserve.tokenization import apply_chat_template, tokenize
 
