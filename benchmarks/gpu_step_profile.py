@@ -10,6 +10,7 @@ is the one that holds the prompt):
   prefill  one fresh prompt of P tokens, alone in its step (P = 256 .. 8,192)
   decode   B sequences of about C tokens each, every one decoding (B x C up to ~600 K tokens of KV)
   mixed    B decoding sequences of about C tokens plus one fresh prompt of P tokens in the same step
+  (with --mixed-lengths LO HI) decode batches whose contexts differ, drawn from [LO, HI]
 Writes gpu-step-profile-<date>.json: every point (its prefill tokens, the prefill's attention work
 sum(chunk x context), decode batch, the decodes' summed context, step seconds), and the fit of
 pdserve/planner/profile.py over them.
@@ -50,10 +51,10 @@ def prefill_point(engine, length: int, rng: random.Random, tag: str) -> StepPoin
                      decode_context=0, seconds=sorted(times)[1])
 
 
-def decoding(engine, batch: int, context: int, rng: random.Random, tag: str) -> tuple[list[str], list]:
-    ids = [f"{tag}-d{batch}x{context}-{i}" for i in range(batch)]
+def decoding(engine, contexts: list[int], rng: random.Random, tag: str) -> tuple[list[str], list]:
+    ids = [f"{tag}-d{len(contexts)}x{max(contexts)}-{i}" for i in range(len(contexts))]
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
-    for rid in ids:
+    for rid, context in zip(ids, contexts):
         engine.add_request(rid, prompt(context, rng), params)
     requests = [engine.scheduler.requests[rid] for rid in ids]
     while any(r.num_output_tokens < 2 for r in requests):
@@ -61,31 +62,63 @@ def decoding(engine, batch: int, context: int, rng: random.Random, tag: str) -> 
     return ids, requests
 
 
+def decode_point(engine, requests) -> StepPoint:
+    """Ten decode-only steps of `requests` after three to settle: context is taken halfway through."""
+    sync_steps(engine, 3)
+    ctx = sum(r.num_tokens for r in requests)
+    longest = max(r.num_tokens for r in requests)
+    seconds = sync_steps(engine, 10)
+    return StepPoint(0, 0, len(requests), ctx + 5 * len(requests), seconds, decode_max_context=longest + 5)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--quick", action="store_true", help="a few points only (a smoke run)")
+    p.add_argument("--mixed-lengths", type=int, nargs=2, metavar=("LO", "HI"),
+                   help="also decode batches of 8-128 sequences whose contexts are drawn uniformly from [LO, HI]"
+                        " (a step lasts as long as its longest sequence's attention: docs/planner.md)")
+    p.add_argument("--decode-only", metavar="B:LO:HI,...",
+                   help="measure only these decode batches (B sequences, contexts uniform in [LO, HI]) and fit"
+                        " nothing: a check of single points against a profile")
     args = p.parse_args()
     llm = LLM(MODEL, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=512,
               max_num_batched_tokens=9216, max_model_len=9216, enable_prefix_caching=False)
     engine = llm.engine
     rng = random.Random(0)
     points: list[StepPoint] = []
+    if args.decode_only:
+        for spec in args.decode_only.split(","):
+            batch, lo, hi = map(int, spec.split(":"))
+            ids, requests = decoding(engine, [rng.randint(lo, hi) for _ in range(batch)], rng, "only")
+            points.append(decode_point(engine, requests))
+            print("decode", points[-1], flush=True)
+            drain(engine, ids)
+        write_json(args.out_dir, f"gpu-decode-points-{today()}.json", {
+            "date": today(), "machine": machine(), "model": MODEL + " (dummy weights), bf16",
+            "points": [pt.as_dict() for pt in points]})
+        return
     # --quick still measures more points than the model has terms, of every kind, or it cannot be fitted
     prefills = (512, 2048, 8192) if args.quick else (256, 512, 1024, 2048, 4096, 6144, 8192)
     for length in prefills:
         points.append(prefill_point(engine, length, rng, "warm" if length == prefills[0] else "pre"))
         print("prefill", points[-1], flush=True)
     points = points[1:] + [prefill_point(engine, prefills[0], rng, "pre")]   # the first ran cold
+    # before the grid: a run cut short by a time limit keeps them
+    if args.mixed_lengths:
+        lo, hi = args.mixed_lengths
+        for batch in (8, 16, 24, 32, 48, 64, 128):
+            ids, requests = decoding(engine, [rng.randint(lo, hi) for _ in range(batch)], rng, "mixlen")
+            points.append(decode_point(engine, requests))
+            print("decode, mixed lengths", points[-1], flush=True)
+            drain(engine, ids)
+            save(args.out_dir, points)
     grid = [(1, 2048), (64, 2048), (256, 512)] if args.quick else [
         (1, 512), (1, 2048), (1, 8192), (16, 512), (16, 2048), (16, 8192), (64, 512), (64, 2048), (64, 8192),
         (128, 1024), (128, 4096), (256, 512), (256, 2048), (512, 512), (512, 1024)]
     for batch, context in grid:
-        ids, requests = decoding(engine, batch, context, rng, "grid")
-        sync_steps(engine, 3)
-        ctx = sum(r.num_tokens for r in requests)
-        seconds = sync_steps(engine, 10)
-        points.append(StepPoint(0, 0, batch, ctx + 5 * batch, seconds))
+        ids, requests = decoding(engine, [context] * batch, rng, "grid")
+        points.append(decode_point(engine, requests))
         print("decode", points[-1], flush=True)
         for length in ((2048,) if args.quick else (512, 2048, 8192)):
             if (batch * context > 300_000 and length > 2048) or batch >= 512:   # 512: no room for one more
@@ -97,16 +130,23 @@ def main() -> None:
             engine.add_request(rid, prompt(length, rng), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             seconds = sync_steps(engine, 1)
             engine.async_scheduling = True
-            points.append(StepPoint(length, length * (length + 1) // 2, batch, ctx, seconds))
+            points.append(StepPoint(length, length * (length + 1) // 2, batch, ctx, seconds,
+                                    decode_max_context=max(r.num_tokens for r in requests)))
             print("mixed", points[-1], flush=True)
             sync_steps(engine, 2)
         drain(engine, ids)
+        save(args.out_dir, points)
     model = fit_step_model(points)
     print("fit:", model, flush=True)
-    write_json(args.out_dir, f"gpu-step-profile-{today()}.json", {
+    save(args.out_dir, points, model)
+
+
+def save(out_dir: Path, points: list[StepPoint], model=None) -> None:
+    """Written after every decode batch too, so that a run cut short by a time limit keeps its points."""
+    write_json(out_dir, f"gpu-step-profile-{today()}.json", {
         "date": today(), "machine": machine(), "model": MODEL + " (dummy weights), bf16",
         "engine": "max_num_seqs 512, max_num_batched_tokens 9216, async scheduling, CUDA graphs",
-        "points": [pt.as_dict() for pt in points], "fit": model.as_dict()})
+        "points": [pt.as_dict() for pt in points], **({"fit": model.as_dict()} if model else {})})
 
 
 if __name__ == "__main__":

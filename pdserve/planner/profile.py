@@ -36,6 +36,7 @@ class StepPoint:
     decode_batch: int
     decode_context: int      # summed context of the decoding sequences
     seconds: float
+    decode_max_context: int = 0   # the longest decoding sequence's context; 0: not recorded (all equal)
 
     def as_dict(self) -> dict:
         return asdict(self)
