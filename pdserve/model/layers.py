@@ -102,8 +102,16 @@ def _preferred_packers() -> list[str]:
             raise ValueError(f"PDSERVE_CPU_GEMM={forced!r}: expected one of {', '.join(PACKERS)}")
         return [forced]
     flags = cpu_kernels.cpu_flags()
-    ours = ["pdserve"] if {"avx2", "fma"} <= flags and "avx512f" not in flags and cpu_kernels.available() else []
-    return ours + (["mkl"] if _intel_cpu() else []) + ["onednn"]
+    # MKL's AVX-512 kernels outrun ours (AVX2) on an AVX-512 Xeon; elsewhere ours come first. oneDNN is the
+    # last resort: on AVX-512 it picks kernels by the batch, so a row's last bits move with what shares its
+    # step (an AMD EPYC with AVX-512, 2026-12-06: tests/model/test_cpu_linear.py), and P/D would not be
+    # token-identical to colocated.
+    if not _intel_cpu():
+        order = ["pdserve"]
+    else:
+        order = ["mkl", "pdserve"] if "avx512f" in flags else ["pdserve", "mkl"]
+    ours = {"avx2", "fma"} <= flags and cpu_kernels.available()
+    return [name for name in order if name != "pdserve" or ours] + ["onednn"]
 
 
 @functools.cache

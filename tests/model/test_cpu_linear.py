@@ -55,13 +55,26 @@ def test_non_contiguous_input_and_off_switch(monkeypatch):
 needs_packed = pytest.mark.skipif(layers.packer() is None, reason="this torch build has no packed GEMM")
 
 
-def test_the_packer_follows_the_cpu():
-    flags = cpu_kernels.cpu_flags()
-    if {"avx2", "fma"} <= flags and "avx512f" not in flags and cpu_kernels.available():
-        expected = "pdserve"
-    else:
-        expected = "mkl" if layers._intel_cpu() else "onednn"
-    assert layers.packer() == expected
+@pytest.mark.parametrize("intel, flags, kernels, expected", [
+    (False, {"avx2", "fma"}, True, ["pdserve", "onednn"]),
+    (False, {"avx2", "fma", "avx512f"}, True, ["pdserve", "onednn"]),   # AMD EPYC with AVX-512: not oneDNN
+    (True, {"avx2", "fma"}, True, ["pdserve", "mkl", "onednn"]),
+    (True, {"avx2", "fma", "avx512f"}, True, ["mkl", "pdserve", "onednn"]),
+    (False, {"avx2", "fma"}, False, ["onednn"]),                        # no C compiler
+    (True, {"sse4_2"}, True, ["mkl", "onednn"]),
+])
+def test_the_packer_follows_the_cpu(monkeypatch, intel, flags, kernels, expected):
+    monkeypatch.delenv("PDSERVE_CPU_GEMM", raising=False)
+    monkeypatch.setattr(layers, "_intel_cpu", lambda: intel)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_kernels, "available", lambda: kernels)
+    assert layers._preferred_packers() == expected
+
+
+def test_this_cpu_gets_the_first_packer_that_works():
+    assert layers.packer() in layers._preferred_packers()
+    if {"avx2", "fma"} <= cpu_kernels.cpu_flags() and cpu_kernels.available() and not layers._intel_cpu():
+        assert layers.packer() == "pdserve"
 
 
 def test_the_gemm_can_be_chosen_and_a_wrong_name_is_refused(monkeypatch):
