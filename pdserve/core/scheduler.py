@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
@@ -75,7 +75,11 @@ class Scheduler:
         self._free_after_landing: dict[str, Request] = {}
 
     # -- intake ------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, first_token_ids: Sequence[int] = ()) -> None:
+        """first_token_ids (D): the tokens P sampled after the prompt. They are this request's first output,
+        sent with the next step's updates without waiting for the KV, and then computed as context after
+        the prompt: the load brings the prompt's KV, and _promote_loaded's back-off has nothing to redo.
+        A token that ends the request (EOS, max_tokens of 1) finishes it here, and P's blocks go back."""
         if (request.request_id in self.requests or request.request_id in self.held_for_transfer
                 or request.request_id in self.aborted_while_loading
                 or request.request_id in self._free_after_landing):
@@ -90,6 +94,20 @@ class Scheduler:
         self.waiting.append(request)
         if self.connector is not None:
             self.connector.request_added(request)
+        if first_token_ids:
+            self._take_first_tokens(request, first_token_ids)
+
+    def _take_first_tokens(self, request: Request, token_ids: Sequence[int]) -> None:
+        taken, status = [], None
+        for token_id in token_ids:
+            request.append_output_token_id(token_id)
+            taken.append(token_id)
+            if (status := request.check_stop()) is not None:
+                break
+        update = RequestUpdate(request, taken)
+        if status is not None:
+            update.kv_transfer_params = self._finish(request, status, emit=False)
+        self._updates.append(update)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -275,7 +293,8 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 return
             loaded = min(loaded, bad[0] * self.block_size)  # recompute from the first bad block
-        # Back off one token: the last prompt token runs again to produce logits.
+        # Back off one token: the last prompt token runs again to produce logits (none to redo when P's
+        # first token came along: it follows the prompt, and is computed next).
         request.num_computed_tokens = min(loaded, request.num_tokens - 1)
         request.num_cached_tokens = request.num_computed_tokens
         self.kv.cache_blocks(request, request.num_computed_tokens)
@@ -387,6 +406,9 @@ class Scheduler:
             if self.connector is not None:
                 delay_free, params = self.connector.request_finished(
                     request, self.kv.get_block_ids(request.request_id))
+                if params is not None and params.get("do_remote_prefill") and request.output_token_ids:
+                    # P's sampled token goes with its KV: D starts from it (add_request above).
+                    params["first_token_ids"] = request.output_token_ids[:1]
             if delay_free:
                 self.held_for_transfer[request.request_id] = request
             elif request.num_inflight_tokens:

@@ -386,7 +386,10 @@ class AsyncEngine:
             return
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        KVTransferParams.from_dict(kv_transfer_params)  # malformed: a 400 for the client, not a dead engine
+        parsed = KVTransferParams.from_dict(kv_transfer_params)  # malformed: a 400 for the client, not a dead engine
+        first = parsed.first_token_ids if parsed is not None else None
+        if first and self.vocab_size is not None and max(first) >= self.vocab_size:
+            raise ValueError(f"kv_transfer_params: first_token_ids must be in [0, {self.vocab_size})")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self._outbox.put(("add", request_id, list(prompt_token_ids), params, kv_transfer_params,

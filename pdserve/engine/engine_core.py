@@ -189,6 +189,11 @@ class EngineCore:
             self.scheduler.connector.check_params(parsed)
         if resumed and kv_transfer_params:
             raise ValueError("resume: a resumed request computes its context here, without kv_transfer_params")
+        first = []
+        if parsed is not None and parsed.do_remote_prefill and self.scheduler.connector is not None:
+            first = parsed.first_token_ids or []
+            if not all(t < vocab_size for t in first):
+                raise ValueError(f"kv_transfer_params: first_token_ids must be in [0, {vocab_size})")
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                           self.max_model_len, kv_transfer_params, output_token_ids=resumed)
         if resumed and request.num_output_tokens >= request.max_tokens:
@@ -196,7 +201,7 @@ class EngineCore:
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._decode)
         if resumed and detokenizer.resume(resumed):
             raise ValueError("resume: the tokens already generated hold a stop string")
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, first)
         self.detokenizers[request_id] = detokenizer
 
     def abort(self, request_ids: list[str]) -> None:

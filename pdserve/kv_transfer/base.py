@@ -58,6 +58,9 @@ class KVTransferParams:
     tp_size: int = 1
     transfer_id: str | None = None
     num_remote_tokens: int | None = None  # prompt tokens whose KV P computed
+    # The token P sampled after the prompt: D emits it at once and computes from it, instead of
+    # sampling it again from the prompt's last position (engine/engine_core.py add_request).
+    first_token_ids: list[int] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "KVTransferParams | None":
@@ -81,6 +84,9 @@ class KVTransferParams:
             if not isinstance(params.remote_block_ids, list) or not all(
                     isinstance(b, int) and b >= 0 for b in params.remote_block_ids):
                 raise ValueError("kv_transfer_params: remote_block_ids must be a list of block ids")
+        if params.first_token_ids is not None and (len(params.first_token_ids) != 1 or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in params.first_token_ids)):
+            raise ValueError("kv_transfer_params: first_token_ids must be a list of one token id")
         return params
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,6 +99,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "do_remote_decode": (bool,), "do_remote_prefill": (bool,), "remote_engine_id": (str,),
     "remote_request_id": (str,), "remote_block_ids": (list,), "remote_host": (str,), "remote_port": (int,),
     "remote_boot_id": (str,), "tp_size": (int,), "transfer_id": (str,), "num_remote_tokens": (int,),
+    "first_token_ids": (list,),
 }
 
 

@@ -6,7 +6,8 @@ Lifecycle of one disaggregated request, as this half sees it:
     1. it is scheduled like any request: prompt computed, one token sampled, max_tokens=1
     2. request_finished → delay_free=True, and params for D: do_remote_prefill, remote_engine_id,
        remote_request_id, remote_block_ids, remote_host, remote_port, remote_boot_id (the worker
-       half's per-boot nonce), tp_size, num_remote_tokens
+       half's per-boot nonce), tp_size, num_remote_tokens; the scheduler adds first_token_ids, the
+       token P sampled
     3. next build_connector_meta hands the worker half a SendSpec: hold these blocks under a lease
        (lifecycle.LeaseHolder: one D may claim them, once)
     4. the worker half reports the request in finished_sending when D notifies that its READ is
@@ -25,8 +26,9 @@ Lifecycle of one disaggregated request, as this half sees it:
        handshakes with P (once per remote engine and boot), claims the grant, READs, notifies P, and
        reports the request in finished_recving, each wait on P under a deadline (blocks that failed
        come back through get_block_ids_with_load_errors)
-    4. the scheduler moves the request back to WAITING with its prompt computed; it recomputes the
-       last prompt token for logits ("back off one token") and decodes
+    4. the scheduler moves the request back to WAITING with its prompt computed and decodes from
+       P's first token, which it sent on admission (without first_token_ids: it recomputes the last
+       prompt token for logits, "back off one token")
     5. an abort while waiting goes into reqs_to_cancel; blocks stay allocated until
        finished_recving names the request, so a READ in flight never writes into freed blocks
 """

@@ -22,7 +22,8 @@ Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions`:
    client sees an error only when no instance can serve it: a 503 with Retry-After, or the decode hop's
    error (step 7), naming instances by pool and index ("decode-0"); URLs and backend error text stay in
    the log.
-4. Take `kv_transfer_params` from P's JSON answer; missing: 502 naming the P.
+4. Take `kv_transfer_params` from P's JSON answer; missing: 502 naming the P. They carry P's first token
+   (first_token_ids), which D sends at once, before it reads the KV.
 5. Decode hop: POST the D the original body plus those `kv_transfer_params` (and, streaming,
    `router_token_ids`: each chunk also carries its tokens, for step 7). Before any byte of the answer: a 4xx
    goes to the client as is; anything else is a failure of D (step 7).

@@ -289,3 +289,77 @@ def test_reused_d_request_id_releases_the_old_p_copy_not_the_new_one(pd):
     p.drain()
     assert p.conn_w.stats["kv_lease_expirations_total"] == 0
     assert_no_leaks(p.s), assert_no_leaks(d.s)
+
+
+# ----------------------------------------------------------------------------- P's first token on D
+
+def drive(instance, max_steps=100):
+    """Step until the instance is idle: (every token sent in order, tokens each step computed)."""
+    tokens, computed = [], []
+    for _ in range(max_steps):
+        if not instance.s.has_unfinished():
+            return tokens, computed
+        out, updates = instance.step()
+        computed.append(sum(len(item.token_ids) for item in out.scheduled))
+        tokens += [t for u in updates for t in u.new_token_ids]
+    raise AssertionError("not idle")
+
+
+@pytest.mark.parametrize("prompt_len", [1, 4, 13])
+def test_ps_first_token_goes_out_before_the_load_and_d_decodes_from_it(pd, prompt_len):
+    p, d = pd
+    prompt = list(range(100, 100 + prompt_len))
+    params = run_p(p, "req", prompt)
+    assert params["first_token_ids"] == [fake_token(prompt_len - 1)]
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=6), kv_transfer_params=params),
+                    params["first_token_ids"])
+    out, updates = d.step()
+    assert out.is_empty and [u.new_token_ids for u in updates] == [params["first_token_ids"]]
+    tokens, computed = drive(d)
+    assert params["first_token_ids"] + tokens == [fake_token(prompt_len - 1 + i) for i in range(6)]
+    # the whole prompt loaded, none of it computed again: one token per step, the first P's
+    assert [n for n in computed if n] == [1] * 5
+    assert d.conn_w.stats["kv_transfer_descriptors_total"] == len(params["remote_block_ids"])
+    p.drain()
+    assert_no_leaks(p.s), assert_no_leaks(d.s)
+
+
+@pytest.mark.parametrize("how", ["max_tokens", "eos"])
+def test_a_first_token_that_ends_the_request_finishes_it_on_d_and_p_lets_go(pd, how):
+    p, d = pd
+    prompt = list(range(30))
+    params = run_p(p, "req", prompt)
+    first = params["first_token_ids"]
+    max_tokens, eos = (1, ()) if how == "max_tokens" else (5, tuple(first))
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=max_tokens), eos, kv_transfer_params=params),
+                    first)
+    _, updates = d.step()
+    assert [(u.new_token_ids, u.finished) for u in updates] == [(first, True)]
+    assert updates[0].request.status == (RequestStatus.FINISHED_LENGTH_CAPPED if how == "max_tokens"
+                                         else RequestStatus.FINISHED_STOPPED)
+    p.step()   # D's release reached P: its blocks are free now, not at lease expiry
+    assert p.s.num_blocks_held_for_transfer == 0 and p.conn_w.stats["kv_lease_expirations_total"] == 0
+    d.drain(), p.drain()
+    assert d.conn_w.stats["kv_transfer_descriptors_total"] == 0
+    assert_no_leaks(p.s), assert_no_leaks(d.s)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_first_token_then_a_failed_load(policy):
+    p = Instance("producer", "P3")
+    d = Instance("consumer", "D3", kv_load_failure_policy=policy, extra={"inject_read_failure": "last_block"})
+    try:
+        prompt = list(range(13))
+        params = run_p(p, "req", prompt)
+        d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params),
+                        params["first_token_ids"])
+        tokens, computed = drive(d)
+        if policy == "fail":   # the client has P's token, then the error
+            assert tokens == params["first_token_ids"] and not any(computed)
+        else:
+            assert tokens == [fake_token(12 + i) for i in range(4)]
+            assert [n for n in computed if n] == [2, 1, 1]   # the bad block's prompt token and P's token
+        p.drain()
+        assert_no_leaks(p.s), assert_no_leaks(d.s)
+    finally:
+        p.close(), d.close()

@@ -374,7 +374,8 @@ def test_router_killed_and_restarted_with_requests_in_flight(cluster):
     prefill, decode = cluster["prefill"], cluster["decode"]
     streaming = Client(cluster["proxy"], "/v1/completions",
                        body_of(token_prompt(40, seed=51), 400, ignore_eos=True, stream=True))
-    streaming.read_until(b'"text"', timeout=60)
+    streaming.read_until(b'"text"', timeout=60)   # P's first token: D may still be loading the KV
+    assert wait_until(lambda: metric(decode, "num_requests_running") == 1, timeout=10, interval=0.05)
     prefilling = Client(cluster["proxy"], "/v1/completions", body_of(token_prompt(900, seed=52), stream=True))
     assert wait_until(lambda: metric(prefill, "num_requests_running") == 1, timeout=10, interval=0.05)
     assert metric(decode, "num_requests_running") == 1

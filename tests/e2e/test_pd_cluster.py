@@ -68,8 +68,8 @@ def test_disaggregated_output_identical_to_colocated(cluster):
             assert got["choices"][0]["text"] == want["choices"][0]["text"], n
             assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
             assert got["usage"]["prompt_tokens"] == n
-            if n > 1:  # D loaded the prompt and recomputed only its last token
-                assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1, n
+            # D loaded the whole prompt and computed none of it: it went on from P's first token
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == n, n
         bodies = [{"model": "default", "messages": [{"role": "user", "content": text}], "max_tokens": 24,
                    "temperature": 0} for text in CHATS]
         got_all = pool.submit(lambda: [proxy.post("/v1/chat/completions", body) for body in bodies])
@@ -86,6 +86,26 @@ def test_disaggregated_output_identical_to_colocated(cluster):
     assert after["kv_transfer_bytes_total"] > before.get("kv_transfer_bytes_total", 0)
     descriptors = after["kv_transfer_descriptors_total"] - before.get("kv_transfer_descriptors_total", 0)
     assert num_requests <= descriptors <= 3 * num_requests
+
+
+def test_seeded_sampling_disaggregated_identical_to_colocated(cluster):
+    """P samples the first token, D the rest: D's generator must skip P's draw, as a colocated one moves on."""
+    proxy, colocated = cluster["proxy"], cluster["colocated"]
+    for n, seed in ((5, 1), (40, 2), (130, 3)):
+        prompt = token_prompt(n, seed=n)
+        extra = {"temperature": 0.9, "top_p": 0.95, "seed": seed}
+        got, want = complete(proxy, prompt, max_tokens=16, **extra), complete(colocated, prompt, max_tokens=16, **extra)
+        assert got["choices"][0]["text"] == want["choices"][0]["text"], n
+
+
+def test_a_first_token_outside_the_vocabulary_is_a_400_and_d_survives(cluster):
+    decode = cluster["decode"]
+    params = {"do_remote_prefill": True, "remote_engine_id": "test-prefill", "remote_request_id": "r",
+              "remote_host": "127.0.0.1", "remote_port": 1, "remote_block_ids": [0], "first_token_ids": [10 ** 9]}
+    status, body = decode.post("/v1/completions", {"model": "default", "prompt": [5000, 5001], "max_tokens": 4,
+                                                   "kv_transfer_params": params})
+    assert status == 400 and "first_token_ids" in body["error"]["message"], body
+    assert complete(decode, [5000, 5001], max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
 def test_prefix_cached_on_decode_loads_only_the_rest(cluster):

@@ -79,6 +79,9 @@ def test_disconnect_frees_the_blocks(server):
      "remote_port": "abc", "remote_block_ids": [1]},              # wrong type
     {"do_remote_prefill": True, "remote_engine_id": ["p"], "remote_request_id": "r", "remote_host": "h",
      "remote_port": 1, "remote_block_ids": [1], "num_remote_tokens": "5"},
+    *({"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_host": "h",
+       "remote_port": 1, "remote_block_ids": [1], "first_token_ids": first}   # P's token: exactly one id
+      for first in ([], [1, 2], ["1"], [True], [-1], 7)),
 ])
 def test_malformed_kv_transfer_params_are_a_400_and_the_engine_survives(server, client, params):
     with pytest.raises(openai.PermissionDeniedError):   # from a client, even well-formed ones are refused

@@ -88,6 +88,7 @@ KV_FIELDS = {   # vLLM's field names, each with a value of the right type
     "remote_port": st.one_of(st.integers(0, 70000), ints),
     "tp_size": st.one_of(st.integers(1, 8), ints), "transfer_id": texts,
     "num_remote_tokens": st.one_of(st.integers(0, 100), ints),
+    "first_token_ids": st.lists(st.one_of(st.integers(0, 50000), ints), max_size=3),
 }
 # Each field right-typed or wrong-typed; unknown keys; too many keys; not an object at all.
 kv_transfer_params = st.one_of(
