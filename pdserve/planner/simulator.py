@@ -13,9 +13,11 @@ What each instance does per step is the scheduler's rule (core/scheduler.py), re
 - a decode-only step runs as the CUDA graph of the smallest captured batch size that holds it
   (worker/cuda_graphs.py): a batch of 65 costs the matmul rows of 128. The step profile was measured at
   batch sizes that are all bucket sizes, so its fit cannot know this; the simulator adds it;
-- a P's request, once prefilled, is handed to its D after `handoff_latency_s + prompt KV bytes / rate`;
-  it joins D's batch at D's next step, whose end is the first token the client sees. P frees its KV when
-  the handoff ends.
+- a P's request, once prefilled, reaches the client's first token `handoff_latency_s` later: P's sampled
+  token goes with its kv_transfer_params and D sends it on admission, before it reads the KV (D's step in
+  flight, at most one step more in a real engine, is left out). Its KV is on D after `handoff_latency_s +
+  prompt KV bytes / rate`; it then joins D's batch at D's next step and decodes the other tokens. P frees
+  its KV when the handoff ends; a request of one token ends at its first.
 
 The router picks P and D at arrival (`round-robin` or `least-load`: P by prefill tokens waiting, D by
 sequences held or coming; past 16 instances of a kind, the less loaded of two picked at random, as
@@ -188,7 +190,7 @@ class Result:
 
 class _Instance:
     __slots__ = ("index", "role", "spec", "waiting", "incoming", "prefill_left", "admitted", "n_dec", "ctx_sum",
-                 "finishing", "k", "busy", "kv_used", "seqs", "queued_tokens", "chunks", "joined", "load",
+                 "finishing", "k", "busy", "kv_used", "seqs", "queued_tokens", "chunks", "load",
                  "last_start", "pad_s")
 
     def __init__(self, index: int, role: str, spec: EngineSpec):
@@ -206,7 +208,6 @@ class _Instance:
         self.seqs = 0
         self.queued_tokens = 0   # prefill tokens waiting (the router's P load)
         self.chunks: list[tuple[int, int]] = []   # this step's prefill chunks (request, tokens)
-        self.joined: list[int] = []               # D: requests whose first token this step makes
         self.load = 0            # D: sequences held, coming, or routed here
         self.last_start = 0.0    # when the step now running was scheduled
         self.pad_s: list[float] | None = None  # pad_s[b]: what a decode-only step of b pays for its padding
@@ -279,9 +280,13 @@ class Simulator:
                 p_inst.kv_used -= prompt[rid]
                 p_inst.seqs -= 1
                 d = self.decoder.pop(rid)
+                self._kick(p_inst, now)
+                if output[rid] == 1:   # P's token was the whole answer: D released P's KV unread
+                    self.finish[rid] = self.first[rid]
+                    d.load -= 1
+                    continue
                 self.ready[rid] = now
                 d.incoming.append(rid)
-                self._kick(p_inst, now)
                 self._kick(d, now)
         served = ~rejected
         ttft = (self.first - arrival)[served]
@@ -344,7 +349,7 @@ class Simulator:
 
     def _start_step(self, inst: _Instance, now: float) -> None:
         spec = inst.spec
-        # D: handed-off requests join the batch; their first decode makes the first token
+        # D: handed-off requests join the batch; their first decode makes their second token
         # Async scheduling: the engine schedules a step while the one before runs, so a step holds what had
         # arrived when the step before it started (or, on an idle engine, what is there now).
         cutoff = inst.last_start
@@ -359,9 +364,8 @@ class Simulator:
             inst.kv_used += self._reserve(inst, rid)
             inst.seqs += 1
             inst.n_dec += 1
-            inst.ctx_sum += self.prompt[rid]
-            heapq.heappush(inst.finishing, (inst.k + self.output[rid], rid))
-            inst.joined.append(rid)
+            inst.ctx_sum += self.prompt[rid] + 1   # P's first token follows the prompt
+            heapq.heappush(inst.finishing, (inst.k + self.output[rid] - 1, rid))
         budget = spec.max_num_batched_tokens - inst.n_dec
         tokens = pairs = 0
         for rid in inst.waiting:
@@ -399,9 +403,6 @@ class Simulator:
         if inst.n_dec:
             inst.k += 1
             inst.ctx_sum += inst.n_dec
-            for rid in inst.joined:
-                self.first[rid] = now
-            inst.joined.clear()
             while inst.finishing and inst.finishing[0][0] <= inst.k:
                 _, rid = heapq.heappop(inst.finishing)
                 self._finish(inst, rid, now)
@@ -420,6 +421,7 @@ class Simulator:
             inst.waiting.popleft()
             if inst.role == "prefill":
                 c = self.cluster
+                self.first[rid] = now + c.handoff_latency_s
                 self._push(now + c.handoff_latency_s + prompt[rid] * c.kv_bytes_per_token / c.handoff_bytes_per_s,
                            HANDOFF_DONE, (rid, inst))
                 continue

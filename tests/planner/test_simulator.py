@@ -25,8 +25,11 @@ def test_one_request_colocated_and_disaggregated():
     assert r.ttft.tolist() == pytest.approx([0.01]) and r.tpot.tolist() == pytest.approx([0.01])
     r = run(ClusterSpec(num_prefill=1, num_decode=1, handoff_latency_s=0.005, kv_bytes_per_token=1000,
                         handoff_bytes_per_s=1e7), [0.0], [100], [5])
-    # P's prefill (10 ms), the handoff (5 ms + 100 x 1000 B at 10 MB/s = 10 ms), D's first step (10 ms)
-    assert r.ttft.tolist() == pytest.approx([0.035]) and r.finish.tolist() == pytest.approx([0.075])
+    # P's prefill (10 ms) and the hop to D (5 ms) make the first token: P's, which D sends before it reads
+    # the KV (5 ms + 100 x 1000 B at 10 MB/s = 10 ms); then D's four steps the rest
+    assert r.ttft.tolist() == pytest.approx([0.015]) and r.finish.tolist() == pytest.approx([0.065])
+    r = run(ClusterSpec(num_prefill=1, num_decode=1, handoff_latency_s=0.005), [0.0], [100], [1])
+    assert r.ttft.tolist() == r.finish.tolist() == pytest.approx([0.015])   # P's token was the answer
 
 
 def test_a_request_arriving_during_a_step_waits_for_the_step_after_next():
@@ -59,7 +62,7 @@ def test_short_prompts_skip_prefill_instances_with_pd_min_prompt_tokens():
     cluster = ClusterSpec(num_prefill=1, num_decode=1, pd_min_prompt_tokens=50, handoff_latency_s=0.5,
                           kv_bytes_per_token=0)
     r = run(cluster, [0.0, 1.0], [20, 100], [2, 2])
-    assert r.ttft.tolist() == pytest.approx([0.01, 0.52])   # straight to D; through P and a 0.5 s handoff
+    assert r.ttft.tolist() == pytest.approx([0.01, 0.51])   # straight to D; through P and a 0.5 s hop
 
 
 def test_least_load_spreads_and_round_robin_alternates():
