@@ -89,7 +89,7 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C com
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 100])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 11, 12, 13, 25, 100])
 @pytest.mark.parametrize("out_features, in_features", [(16, 8), (37, 13), (200, 576), (48, 3000)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_our_gemm_matches_f_linear_at_every_edge(rows, out_features, in_features, bias):
@@ -136,7 +136,7 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(name):
         w = torch.randn(out_features, in_features, generator=gen)
         packed = pack(w)
         x = torch.randn(2048, in_features, generator=gen)
-        for row in (0, 2, 7):   # first, middle and last rows of a tile of 6 (pdserve's), each alone
+        for row in (0, 2, 7, 11):   # rows of a tile of 6 (AVX2) or 12 (AVX-512), each alone
             alone = run(x[row:row + 1].clone(), packed, w, None)
             for rows in (3, 8, 64, 65, 2048):
                 if row < rows:

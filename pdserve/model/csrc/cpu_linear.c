@@ -16,7 +16,16 @@
 #include "vec8.h"
 
 #define NR 16
+#if defined(__AVX512F__)
+/* With AVX-512 a panel's sixteen columns are one register: a tile is up to 12 rows, twelve accumulators
+ * of the thirty-two registers, one panel load and twelve broadcasts per k. Each element is still one FMA
+ * chain over k in order, so the numbers are the AVX2 tile's to the bit, on any CPU. */
+#define MR 12
+#define PANELS_PER_TILE 2
+#else
 #define MR 6
+#define PANELS_PER_TILE 1
+#endif
 /* Bytes of x rows and of W panels that one task works on, sized for a core's L2 (512 KiB on the EPYC,
  * 1-2 MiB on recent Xeons). A 64-row decode batch is one row block at K = 576 (W streams from memory
  * once) and two at the down projection's K = 1,536. */
@@ -34,6 +43,83 @@ void pdserve_pack_linear(const float *w, float *packed, int n, int k) {
             }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* ROWS (<= MR) rows of x against one panel, as the AVX2 tile below. */
+#define DEFINE_TILE(ROWS)                                                                                \
+static void tile_##ROWS(const float *x, int64_t ldx, const float *panel, int k, float *y, int64_t ldy,  \
+                        int cols, const float *bias) {                                                   \
+    __m512 acc[ROWS];                                                                                    \
+    for (int i = 0; i < (ROWS); i++) acc[i] = _mm512_setzero_ps();                                       \
+    for (int kk = 0; kk < k; kk++) {                                                                     \
+        const __m512 b = _mm512_loadu_ps(panel + (int64_t)kk * NR);                                     \
+        for (int i = 0; i < (ROWS); i++)                                                                 \
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + kk]), b, acc[i]);                        \
+    }                                                                                                    \
+    for (int i = 0; i < (ROWS); i++) {                                                                   \
+        float row[NR];                                                                                   \
+        _mm512_storeu_ps(row, acc[i]);                                                                   \
+        if (bias)                                                                                        \
+            for (int j = 0; j < cols; j++) row[j] += bias[j];                                            \
+        memcpy(y + i * ldy, row, sizeof(float) * cols);                                                  \
+    }                                                                                                    \
+}
+DEFINE_TILE(1)
+DEFINE_TILE(2)
+DEFINE_TILE(3)
+DEFINE_TILE(4)
+DEFINE_TILE(5)
+DEFINE_TILE(6)
+DEFINE_TILE(7)
+DEFINE_TILE(8)
+DEFINE_TILE(9)
+DEFINE_TILE(10)
+DEFINE_TILE(11)
+DEFINE_TILE(12)
+/* Two adjacent panels at once (the first full, `cols` columns of the second): each broadcast of x feeds
+ * two FMAs, which the loads, not the FMA units, bounded with one panel. */
+#define DEFINE_TILE2(ROWS)                                                                               \
+static void tile2_##ROWS(const float *x, int64_t ldx, const float *panel, int k, float *y, int64_t ldy, \
+                         int cols, const float *bias) {                                                  \
+    __m512 acc0[ROWS], acc1[ROWS];                                                                       \
+    const float *next = panel + (int64_t)k * NR;                                                         \
+    for (int i = 0; i < (ROWS); i++) { acc0[i] = _mm512_setzero_ps(); acc1[i] = _mm512_setzero_ps(); }  \
+    for (int kk = 0; kk < k; kk++) {                                                                     \
+        const __m512 b0 = _mm512_loadu_ps(panel + (int64_t)kk * NR);                                    \
+        const __m512 b1 = _mm512_loadu_ps(next + (int64_t)kk * NR);                                     \
+        for (int i = 0; i < (ROWS); i++) {                                                               \
+            const __m512 a = _mm512_set1_ps(x[i * ldx + kk]);                                            \
+            acc0[i] = _mm512_fmadd_ps(a, b0, acc0[i]);                                                   \
+            acc1[i] = _mm512_fmadd_ps(a, b1, acc1[i]);                                                   \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int i = 0; i < (ROWS); i++) {                                                                   \
+        float row[2 * NR];                                                                               \
+        _mm512_storeu_ps(row, acc0[i]);                                                                  \
+        _mm512_storeu_ps(row + NR, acc1[i]);                                                             \
+        if (bias)                                                                                        \
+            for (int j = 0; j < NR + cols; j++) row[j] += bias[j];                                       \
+        memcpy(y + i * ldy, row, sizeof(float) * (NR + cols));                                           \
+    }                                                                                                    \
+}
+DEFINE_TILE2(1)
+DEFINE_TILE2(2)
+DEFINE_TILE2(3)
+DEFINE_TILE2(4)
+DEFINE_TILE2(5)
+DEFINE_TILE2(6)
+DEFINE_TILE2(7)
+DEFINE_TILE2(8)
+DEFINE_TILE2(9)
+DEFINE_TILE2(10)
+DEFINE_TILE2(11)
+DEFINE_TILE2(12)
+typedef void (*tile_fn)(const float *, int64_t, const float *, int, float *, int64_t, int, const float *);
+static const tile_fn TILES[MR + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8,
+                                      tile_9, tile_10, tile_11, tile_12};
+static const tile_fn TILES2[MR + 1] = {NULL, tile2_1, tile2_2, tile2_3, tile2_4, tile2_5, tile2_6, tile2_7,
+                                       tile2_8, tile2_9, tile2_10, tile2_11, tile2_12};
+#else
 /* ROWS (<= MR) rows of x against one panel. ROWS is a constant in each copy, so the loops unroll and
  * the accumulators stay in registers; the arithmetic per element is the same in every copy. */
 #define DEFINE_TILE(ROWS)                                                                                \
@@ -68,6 +154,7 @@ DEFINE_TILE(6)
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int, float *, int64_t, int, const float *);
 static const tile_fn TILES[MR + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+#endif
 
 /* y[i][0..n) = x[i][0..k) . W^T (+ bias) for i < m; x rows ldx floats apart, y rows ldy apart; packed
  * from pdserve_pack_linear(W, ., n, k). Work is split into (row block, panel block) tasks over the
@@ -86,8 +173,19 @@ void pdserve_linear(const float *x, int64_t ldx, const float *packed, const floa
         for (int pb = 0; pb < panel_blocks; pb++) {
             const int r_end = (rb + 1) * rows_per_block < m ? (rb + 1) * rows_per_block : m;
             const int p_end = (pb + 1) * panels_per_block < panels ? (pb + 1) * panels_per_block : panels;
-            for (int p = pb * panels_per_block; p < p_end; p++) {
+            for (int p = pb * panels_per_block; p < p_end; p += PANELS_PER_TILE) {
                 const float *panel = packed + (int64_t)p * k * NR;
+#if defined(__AVX512F__)
+                if (p + 1 < p_end) {   /* two panels; the second may be the last, partial one */
+                    const int cols = n - (p + 1) * NR < NR ? n - (p + 1) * NR : NR;
+                    for (int r = rb * rows_per_block; r < r_end; r += MR) {
+                        const int rows = r_end - r < MR ? r_end - r : MR;
+                        TILES2[rows](x + (int64_t)r * ldx, ldx, panel, k, y + (int64_t)r * ldy + (int64_t)p * NR,
+                                     ldy, cols, bias ? bias + p * NR : NULL);
+                    }
+                    continue;
+                }
+#endif
                 const int cols = n - p * NR < NR ? n - p * NR : NR;
                 for (int r = rb * rows_per_block; r < r_end; r += MR) {
                     const int rows = r_end - r < MR ? r_end - r : MR;
