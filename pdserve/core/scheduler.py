@@ -75,11 +75,12 @@ class Scheduler:
         self._free_after_landing: dict[str, Request] = {}
 
     # -- intake ------------------------------------------------------------------------------
-    def add_request(self, request: Request, first_token_ids: Sequence[int] = ()) -> None:
+    def add_request(self, request: Request, first_token_ids: Sequence[int] = ()) -> RequestUpdate | None:
         """first_token_ids (D): the tokens P sampled after the prompt. They are this request's first output,
-        sent with the next step's updates without waiting for the KV, and then computed as context after
-        the prompt: the load brings the prompt's KV, and _promote_loaded's back-off has nothing to redo.
-        A token that ends the request (EOS, max_tokens of 1) finishes it here, and P's blocks go back."""
+        returned here for the caller to send at once, without waiting for the KV (not queued for the next
+        step, which could then carry a second update of the same request), and then computed as context
+        after the prompt: the load brings the prompt's KV, and _promote_loaded's back-off has nothing to
+        redo. A token that ends the request (EOS, max_tokens of 1) finishes it here, and P's blocks go back."""
         if (request.request_id in self.requests or request.request_id in self.held_for_transfer
                 or request.request_id in self.aborted_while_loading
                 or request.request_id in self._free_after_landing):
@@ -94,10 +95,9 @@ class Scheduler:
         self.waiting.append(request)
         if self.connector is not None:
             self.connector.request_added(request)
-        if first_token_ids:
-            self._take_first_tokens(request, first_token_ids)
+        return self._take_first_tokens(request, first_token_ids) if first_token_ids else None
 
-    def _take_first_tokens(self, request: Request, token_ids: Sequence[int]) -> None:
+    def _take_first_tokens(self, request: Request, token_ids: Sequence[int]) -> RequestUpdate:
         taken, status = [], None
         for token_id in token_ids:
             request.append_output_token_id(token_id)
@@ -107,7 +107,7 @@ class Scheduler:
         update = RequestUpdate(request, taken)
         if status is not None:
             update.kv_transfer_params = self._finish(request, status, emit=False)
-        self._updates.append(update)
+        return update
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

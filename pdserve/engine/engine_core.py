@@ -137,7 +137,9 @@ class EngineCore:
         self.kv_bytes_per_token = (kv_cache[0].numel() * kv_cache.element_size() // config.cache.block_size
                                    * config.parallel.tensor_parallel_size)   # every rank's heads
         self.num_prompt_tokens_computed = 0
-        self.num_output_tokens = 0
+        self.num_output_tokens = 0   # sampled here: P's first tokens on a D are not
+        self.is_kv_consumer = config.kv_transfer.is_consumer   # takes P's first token (add_request)
+        self._admission_outputs: list[RequestOutput] = []      # made by add_request, sent with the next step's
         self.busy_seconds = 0.0
 
     def check_ranks(self) -> None:
@@ -190,7 +192,7 @@ class EngineCore:
         if resumed and kv_transfer_params:
             raise ValueError("resume: a resumed request computes its context here, without kv_transfer_params")
         first = []
-        if parsed is not None and parsed.do_remote_prefill and self.scheduler.connector is not None:
+        if parsed is not None and parsed.do_remote_prefill and self.is_kv_consumer:
             first = parsed.first_token_ids or []
             if not all(t < vocab_size for t in first):
                 raise ValueError(f"kv_transfer_params: first_token_ids must be in [0, {vocab_size})")
@@ -201,8 +203,10 @@ class EngineCore:
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._decode)
         if resumed and detokenizer.resume(resumed):
             raise ValueError("resume: the tokens already generated hold a stop string")
-        self.scheduler.add_request(request, first)
+        first_update = self.scheduler.add_request(request, first)
         self.detokenizers[request_id] = detokenizer
+        if first_update is not None:   # P's token: out before any step, so a stop string in it ends the request now
+            self._admission_outputs.append(self._make_output(first_update))
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -218,15 +222,17 @@ class EngineCore:
         return self._inflight is not None
 
     def has_work(self) -> bool:
-        return self.step_in_flight or self.scheduler.has_unfinished() or (
+        return bool(self._admission_outputs) or self.step_in_flight or self.scheduler.has_unfinished() or (
             self.connector_worker is not None and self.connector_worker.num_pending_requests() > 0)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step's outputs. Never raises for a failure inside the step: see _fail_step."""
+        """One step's outputs, after those made on admission (P's first tokens). Never raises for a failure
+        inside the step: see _fail_step."""
         start = time.perf_counter()
+        early, self._admission_outputs = self._admission_outputs, []
         try:
-            return self._step(start)
+            return early + self._step(start)
         finally:
             self.busy_seconds += time.perf_counter() - start
             if not self.has_work():

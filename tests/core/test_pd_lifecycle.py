@@ -311,10 +311,11 @@ def test_ps_first_token_goes_out_before_the_load_and_d_decodes_from_it(pd, promp
     prompt = list(range(100, 100 + prompt_len))
     params = run_p(p, "req", prompt)
     assert params["first_token_ids"] == [fake_token(prompt_len - 1)]
-    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=6), kv_transfer_params=params),
-                    params["first_token_ids"])
+    first = d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=6), kv_transfer_params=params),
+                            params["first_token_ids"])
+    assert first.new_token_ids == params["first_token_ids"] and not first.finished   # out before any step
     out, updates = d.step()
-    assert out.is_empty and [u.new_token_ids for u in updates] == [params["first_token_ids"]]
+    assert out.is_empty and updates == []   # the load is under way
     tokens, computed = drive(d)
     assert params["first_token_ids"] + tokens == [fake_token(prompt_len - 1 + i) for i in range(6)]
     # the whole prompt loaded, none of it computed again: one token per step, the first P's
@@ -331,12 +332,12 @@ def test_a_first_token_that_ends_the_request_finishes_it_on_d_and_p_lets_go(pd, 
     params = run_p(p, "req", prompt)
     first = params["first_token_ids"]
     max_tokens, eos = (1, ()) if how == "max_tokens" else (5, tuple(first))
-    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=max_tokens), eos, kv_transfer_params=params),
-                    first)
-    _, updates = d.step()
-    assert [(u.new_token_ids, u.finished) for u in updates] == [(first, True)]
-    assert updates[0].request.status == (RequestStatus.FINISHED_LENGTH_CAPPED if how == "max_tokens"
-                                         else RequestStatus.FINISHED_STOPPED)
+    update = d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=max_tokens), eos,
+                                     kv_transfer_params=params), first)
+    assert (update.new_token_ids, update.finished) == (first, True)
+    assert update.request.status == (RequestStatus.FINISHED_LENGTH_CAPPED if how == "max_tokens"
+                                     else RequestStatus.FINISHED_STOPPED)
+    d.step()
     p.step()   # D's release reached P: its blocks are free now, not at lease expiry
     assert p.s.num_blocks_held_for_transfer == 0 and p.conn_w.stats["kv_lease_expirations_total"] == 0
     d.drain(), p.drain()
@@ -351,9 +352,10 @@ def test_a_first_token_then_a_failed_load(policy):
     try:
         prompt = list(range(13))
         params = run_p(p, "req", prompt)
-        d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params),
-                        params["first_token_ids"])
+        first = d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params),
+                                params["first_token_ids"])
         tokens, computed = drive(d)
+        tokens = first.new_token_ids + tokens
         if policy == "fail":   # the client has P's token, then the error
             assert tokens == params["first_token_ids"] and not any(computed)
         else:
