@@ -235,3 +235,32 @@ def test_a_forced_gemm_that_does_not_work_is_an_error(monkeypatch):
             layers.packer()
     finally:
         layers.packer.cache_clear()
+
+
+@needs_kernels
+@pytest.mark.skipif("avx512f" not in cpu_kernels.cpu_flags(), reason="the AVX-512 tiles are built only here")
+def test_the_avx512_tiles_give_the_avx2_tiles_numbers_to_the_bit(tmp_path):
+    """P on an AVX2 machine and D on an AVX-512 one must agree: the same GEMM built both ways, same bits."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    source = Path(cpu_kernels.__file__).parent / "csrc" / "cpu_linear.c"
+    gen = torch.Generator().manual_seed(3)
+    n, k, m = 200, 576, 37   # a partial last panel, odd pairs of panels, 37 rows: tiles of 12 and their tail
+    w, x, b = (torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n, generator=gen))
+    outputs = []
+    for name, arch in (("avx2", ["-mavx2", "-mfma"]), ("avx512", ["-march=native"])):
+        lib_path = tmp_path / f"{name}.so"
+        subprocess.run([compiler, "-O3", *arch, "-fopenmp", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC",
+                        str(source), "-o", str(lib_path)], check=True, capture_output=True, timeout=120)
+        lib = ctypes.CDLL(str(lib_path))
+        packed = torch.zeros(-(-n // 16) * k * 16)
+        ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+        lib.pdserve_pack_linear(ptr(w), ptr(packed), n, k)
+        y = torch.empty(m, n)
+        lib.pdserve_linear(ptr(x), ctypes.c_int64(k), ptr(packed), ptr(b), ptr(y), ctypes.c_int64(n), m, n, k)
+        outputs.append(y)
+    assert torch.equal(outputs[0], outputs[1])
+    torch.testing.assert_close(outputs[1], F.linear(x, w, b), rtol=1e-4, atol=1e-4)

@@ -32,6 +32,13 @@
 #define ROW_BLOCK_BYTES (256 * 1024)
 #define PANEL_BLOCK_BYTES (96 * 1024)
 
+/* A tile row's `cols` results, plus the bias, into y. */
+static inline void write_row(float *y, float *row, const float *bias, int cols) {
+    if (bias)
+        for (int j = 0; j < cols; j++) row[j] += bias[j];
+    memcpy(y, row, sizeof(float) * cols);
+}
+
 void pdserve_pack_linear(const float *w, float *packed, int n, int k) {
     const int panels = (n + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
@@ -59,9 +66,7 @@ static void tile_##ROWS(const float *x, int64_t ldx, const float *panel, int k, 
     for (int i = 0; i < (ROWS); i++) {                                                                   \
         float row[NR];                                                                                   \
         _mm512_storeu_ps(row, acc[i]);                                                                   \
-        if (bias)                                                                                        \
-            for (int j = 0; j < cols; j++) row[j] += bias[j];                                            \
-        memcpy(y + i * ldy, row, sizeof(float) * cols);                                                  \
+        write_row(y + i * ldy, row, bias, cols);                                                         \
     }                                                                                                    \
 }
 DEFINE_TILE(1)
@@ -97,9 +102,7 @@ static void tile2_##ROWS(const float *x, int64_t ldx, const float *panel, int k,
         float row[2 * NR];                                                                               \
         _mm512_storeu_ps(row, acc0[i]);                                                                  \
         _mm512_storeu_ps(row + NR, acc1[i]);                                                             \
-        if (bias)                                                                                        \
-            for (int j = 0; j < NR + cols; j++) row[j] += bias[j];                                       \
-        memcpy(y + i * ldy, row, sizeof(float) * (NR + cols));                                           \
+        write_row(y + i * ldy, row, bias, NR + cols);                                                    \
     }                                                                                                    \
 }
 DEFINE_TILE2(1)
@@ -140,9 +143,7 @@ static void tile_##ROWS(const float *x, int64_t ldx, const float *panel, int k, 
         float row[NR];                                                                                   \
         store8(row, lo[i]);                                                                              \
         store8(row + 8, hi[i]);                                                                          \
-        if (bias)                                                                                        \
-            for (int j = 0; j < cols; j++) row[j] += bias[j];                                            \
-        memcpy(y + i * ldy, row, sizeof(float) * cols);                                                  \
+        write_row(y + i * ldy, row, bias, cols);                                                         \
     }                                                                                                    \
 }
 DEFINE_TILE(1)
