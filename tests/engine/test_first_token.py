@@ -5,11 +5,11 @@ token")."""
 import itertools
 import pytest
 
-from pdserve.config import EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig, CacheConfig
+from pdserve.config import EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.outputs import FinishReason
 from pdserve.sampling_params import SamplingParams
-from tests.helpers_models import EOS_TOKEN_ID, make_tiny_hf_model
+from tests.helpers_models import make_tiny_hf_model
 
 _ids = itertools.count()
 
@@ -66,22 +66,29 @@ def held(c):
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 65, 66, 67]
 
 
+def with_bystander(d):
+    """A request decoding on D beside the one under test: a failure that takes its step down shows on it."""
+    d.add_request("other", PROMPT, SamplingParams(max_tokens=20, temperature=0))
+    for _ in range(3):
+        d.step()
+
+
 @pytest.mark.parametrize("async_d", [False, True])
 def test_abort_right_after_add_with_first_token(model, async_d):
     """Client disconnect (or request timeout) between D's add and its next step."""
     p, d = core(model, "producer"), core(model, "consumer", async_scheduling=async_d)
     try:
-        # a bystander request decoding on D
-        d.add_request("other", PROMPT, SamplingParams(max_tokens=20, temperature=0))
-        for _ in range(3):
-            d.step()
+        with_bystander(d)
         params = prefill(p, "r", PROMPT, SamplingParams(max_tokens=8, temperature=0))
         d.add_request("r", PROMPT, SamplingParams(max_tokens=8, temperature=0), params)
         d.abort(["r"])            # same drain of the engine inbox
         res = drain(d)
         assert res["other"]["err"] is None and res["other"]["fin"] == FinishReason.LENGTH, res["other"]
         assert res["r"]["fin"] == FinishReason.ABORT
-        drain(p)
+        for _ in range(5):   # D's release reaches P
+            p.step()
+        assert held(d)[:3] == (0, 0, 0) and held(p) == (0, 0, 0, 64, 0), (held(d), held(p))
+        assert p.connector_worker.stats["kv_lease_expirations_total"] == 0
     finally:
         p.connector_worker.shutdown(), d.connector_worker.shutdown()
 
@@ -92,9 +99,7 @@ def test_failed_load_reported_in_the_first_step(model, async_d):
     p = core(model, "producer")
     d = core(model, "consumer", async_scheduling=async_d, extra={"inject_read_failure": "all"})
     try:
-        d.add_request("other", PROMPT, SamplingParams(max_tokens=20, temperature=0))
-        for _ in range(3):
-            d.step()
+        with_bystander(d)
         params = prefill(p, "r", PROMPT, SamplingParams(max_tokens=8, temperature=0))
         d.add_request("r", PROMPT, SamplingParams(max_tokens=8, temperature=0), params)
         res = drain(d)
