@@ -7,7 +7,7 @@ noisy), and each call takes the next of several copies of the weight (about 200 
 format), so that at one row the weight comes from memory as in a decode step (537 MB of weights), not
 from the cache (32 MiB of L3 here).
 
-    .venv/bin/python benchmarks/cpu_gemm_shapes.py [--threads 2] [--out F.json]
+    .venv/bin/python benchmarks/cpu_gemm_shapes.py [--threads 2] [--rows 1,64,2048] [--out F.json]
 """
 from __future__ import annotations
 
@@ -49,8 +49,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--rows", default="1,64,2048", help="comma-separated batch rows (default 1,64,2048)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
     torch.set_num_threads(args.threads)
     a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
     peak = 2 * 4096 ** 3 / alternated_medians({"mm": lambda i: a @ b}, 3)["mm"] / 1e9
@@ -63,7 +65,7 @@ def main() -> None:
         copies = max(1, int(WEIGHT_BYTES_PER_SHAPE // (n * k * 4)))
         weights = [torch.randn(n, k) for _ in range(copies)]
         packed = {p_: [layers.PACKERS[p_][0](w) for w in weights] for p_ in packers}
-        for m in (1, 64, 2048):
+        for m in row_counts:
             if name == "lm_head" and m > 64:
                 continue   # logits are computed for each sequence's last token only
             x = torch.randn(m, k)

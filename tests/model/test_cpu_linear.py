@@ -136,12 +136,31 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(name):
         w = torch.randn(out_features, in_features, generator=gen)
         packed = pack(w)
         x = torch.randn(2048, in_features, generator=gen)
-        for row in (0, 2, 7, 11):   # rows of a tile of 6 (AVX2) or 12 (AVX-512), each alone
+        # rows of a tile of 6 (AVX2) or 12 (AVX-512), and of the halved last tiles of 16 and 256 rows
+        for row in (0, 2, 7, 11, 14, 250):
             alone = run(x[row:row + 1].clone(), packed, w, None)
-            for rows in (3, 8, 64, 65, 2048):
+            for rows in (3, 8, 16, 17, 64, 65, 256, 2048):
                 if row < rows:
                     batch = run(x[:rows].contiguous(), packed, w, None)
                     assert torch.equal(batch[row:row + 1], alone), (name, out_features, rows, row)
+
+
+@needs_kernels
+def test_our_gemm_gives_the_same_bits_on_any_number_of_threads():
+    """The threads split the work by rows x panels; an element's sum must not depend on the split."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(3072, 576, generator=gen)
+    packed = cpu_kernels.pack_linear(w)
+    x = torch.randn(256, 576, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(cpu_kernels.linear(x, packed, w, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
 @needs_packed

@@ -13,6 +13,8 @@
  * columns: twelve accumulators in the sixteen AVX registers,
  * two panel loads and six broadcasts per k for twelve FMAs.
  */
+#include <omp.h>
+
 #include "vec8.h"
 
 #define NR 16
@@ -157,41 +159,68 @@ typedef void (*tile_fn)(const float *, int64_t, const float *, int, float *, int
 static const tile_fn TILES[MR + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 #endif
 
+/* The row tiles of rows [r, r_end): tiles of MR rows, except that a remainder of fewer than MR / 2 rows is
+ * merged with the tile before it and the two split in halves (4 rows after 252 would be a tile that
+ * runs at a third of a full one's rate; 8 + 8 run near full). Which tile an element falls in does not
+ * change its numbers. */
+static void row_tiles(const tile_fn *tiles, const float *x, int64_t ldx, const float *panel, int k, float *y,
+                      int64_t ldy, int cols, const float *bias, int r, int r_end) {
+    while (r < r_end) {
+        int rows = r_end - r < MR ? r_end - r : MR;
+        const int left = r_end - r - rows;
+        if (left > 0 && left < MR / 2)
+            rows = (rows + left + 1) / 2;
+        tiles[rows](x + (int64_t)r * ldx, ldx, panel, k, y + (int64_t)r * ldy, ldy, cols, bias);
+        r += rows;
+    }
+}
+
 /* y[i][0..n) = x[i][0..k) . W^T (+ bias) for i < m; x rows ldx floats apart, y rows ldy apart; packed
- * from pdserve_pack_linear(W, ., n, k). Work is split into (row block, panel block) tasks over the
- * OpenMP threads (torch's, see cpu_kernels.py). */
+ * from pdserve_pack_linear(W, ., n, k). Work is cut into (row block, panel block) tasks, each sized for
+ * a core's L2, and each of torch's OpenMP threads (cpu_kernels.py) takes a contiguous run of them in
+ * (row block, panel block) order holding an equal share of rows x panels: a thread keeps its row block
+ * in L2 across panel blocks, and no thread waits on another's extra block (a plain static split of 256
+ * rows in blocks of 108, 108 and 40 gave one thread 63 % of the work). */
 void pdserve_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int m, int n, int k) {
     const int panels = (n + NR - 1) / NR;
     int rows_per_block = (int)(ROW_BLOCK_BYTES / ((int64_t)k * 4)) / MR * MR;
     if (rows_per_block < MR) rows_per_block = MR;
-    int panels_per_block = (int)(PANEL_BLOCK_BYTES / ((int64_t)k * 4 * NR));
-    if (panels_per_block < 1) panels_per_block = 1;
     const int row_blocks = (m + rows_per_block - 1) / rows_per_block;
+    rows_per_block = ((m + row_blocks - 1) / row_blocks + MR - 1) / MR * MR;   /* even blocks */
+    /* whole tiles of panels, at least one (at K = 1,536 one panel is 96 KiB, and single-panel tiles
+     * run slower than pairs) */
+    int panels_per_block = (int)(PANEL_BLOCK_BYTES / ((int64_t)k * 4 * NR)) / PANELS_PER_TILE * PANELS_PER_TILE;
+    if (panels_per_block < PANELS_PER_TILE) panels_per_block = PANELS_PER_TILE;
     const int panel_blocks = (panels + panels_per_block - 1) / panels_per_block;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int rb = 0; rb < row_blocks; rb++) {
-        for (int pb = 0; pb < panel_blocks; pb++) {
-            const int r_end = (rb + 1) * rows_per_block < m ? (rb + 1) * rows_per_block : m;
-            const int p_end = (pb + 1) * panels_per_block < panels ? (pb + 1) * panels_per_block : panels;
-            for (int p = pb * panels_per_block; p < p_end; p += PANELS_PER_TILE) {
-                const float *panel = packed + (int64_t)p * k * NR;
-#if defined(__AVX512F__)
-                if (p + 1 < p_end) {   /* two panels; the second may be the last, partial one */
-                    const int cols = n - (p + 1) * NR < NR ? n - (p + 1) * NR : NR;
-                    for (int r = rb * rows_per_block; r < r_end; r += MR) {
-                        const int rows = r_end - r < MR ? r_end - r : MR;
-                        TILES2[rows](x + (int64_t)r * ldx, ldx, panel, k, y + (int64_t)r * ldy + (int64_t)p * NR,
-                                     ldy, cols, bias ? bias + p * NR : NULL);
-                    }
+    const int64_t work = (int64_t)m * panels;
+#pragma omp parallel
+    {
+        const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
+        for (int rb = 0; rb < row_blocks; rb++) {
+            const int r0 = rb * rows_per_block;
+            const int r_end = r0 + rows_per_block < m ? r0 + rows_per_block : m;
+            for (int pb = 0; pb < panel_blocks; pb++) {
+                const int p0 = pb * panels_per_block;
+                const int p_end = p0 + panels_per_block < panels ? p0 + panels_per_block : panels;
+                /* the task's middle, in units of rows x panels, says whose it is */
+                const int64_t middle = 2 * ((int64_t)r0 * panels + (int64_t)(r_end - r0) * p0)
+                                       + (int64_t)(r_end - r0) * (p_end - p0);
+                if (middle * threads / (2 * work) != thread)
                     continue;
-                }
+                for (int p = p0; p < p_end; p += PANELS_PER_TILE) {
+                    const float *panel = packed + (int64_t)p * k * NR;
+#if defined(__AVX512F__)
+                    if (p + 1 < p_end) {   /* two panels; the second may be the last, partial one */
+                        const int cols = n - (p + 1) * NR < NR ? n - (p + 1) * NR : NR;
+                        row_tiles(TILES2, x, ldx, panel, k, y + (int64_t)p * NR, ldy, cols,
+                                  bias ? bias + p * NR : NULL, r0, r_end);
+                        continue;
+                    }
 #endif
-                const int cols = n - p * NR < NR ? n - p * NR : NR;
-                for (int r = rb * rows_per_block; r < r_end; r += MR) {
-                    const int rows = r_end - r < MR ? r_end - r : MR;
-                    TILES[rows](x + (int64_t)r * ldx, ldx, panel, k, y + (int64_t)r * ldy + (int64_t)p * NR, ldy,
-                                cols, bias ? bias + p * NR : NULL);
+                    const int cols = n - p * NR < NR ? n - p * NR : NR;
+                    row_tiles(TILES, x, ldx, panel, k, y + (int64_t)p * NR, ldy, cols, bias ? bias + p * NR : NULL,
+                              r0, r_end);
                 }
             }
         }
