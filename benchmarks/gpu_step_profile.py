@@ -11,6 +11,11 @@ is the one that holds the prompt):
   decode   B sequences of about C tokens each, every one decoding (B x C up to ~600 K tokens of KV)
   mixed    B decoding sequences of about C tokens plus one fresh prompt of P tokens in the same step
   (with --mixed-lengths LO HI) decode batches whose contexts differ, drawn from [LO, HI]
+  (with --decode-sweep LO:HI:B1/B2/...) decode-only steps only: max(B) sequences with contexts drawn from
+  [LO, HI] are prefilled once, then timed at each batch size B, largest first, the sequences past B aborted
+  between points (batches between CUDA-graph buckets without a prefill each); --repeats runs the sweeps
+  again with new draws, --windows times each point over that many windows of 10 steps, and --deadline
+  stops before a sweep that would not end in time. Writes gpu-decode-grid-<date>.json after every point.
 Writes gpu-step-profile-<date>.json: every point (its prefill tokens, the prefill's attention work
 sum(chunk x context), decode batch, the decodes' summed context, step seconds), and the fit of
 pdserve/planner/profile.py over them.
@@ -18,7 +23,10 @@ pdserve/planner/profile.py over them.
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import statistics
+import time
 from pathlib import Path
 
 from gpu_bench import MODEL, machine, timed_steps as sync_steps, today, write_json
@@ -81,12 +89,24 @@ def main() -> None:
     p.add_argument("--decode-only", metavar="B:LO:HI,...",
                    help="measure only these decode batches (B sequences, contexts uniform in [LO, HI]) and fit"
                         " nothing: a check of single points against a profile")
+    p.add_argument("--decode-sweep", metavar="LO:HI:B1/B2/...,...",
+                   help="decode-only steps at every batch B of each sweep (contexts uniform in [LO, HI], one"
+                        " prefill per sweep), and fit nothing")
+    p.add_argument("--repeats", type=int, default=1, help="--decode-sweep: run the sweeps this many times")
+    p.add_argument("--windows", type=int, default=3, help="--decode-sweep: windows of 10 steps per point")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="--decode-sweep: seconds from the start after which no sweep is begun that its last"
+                        " run says would not end in time (0: none)")
     args = p.parse_args()
+    started = time.perf_counter()
     llm = LLM(MODEL, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=512,
               max_num_batched_tokens=9216, max_model_len=9216, enable_prefix_caching=False)
     engine = llm.engine
     rng = random.Random(0)
     points: list[StepPoint] = []
+    if args.decode_sweep:
+        decode_sweeps(engine, rng, args, started)
+        return
     if args.decode_only:
         for spec in args.decode_only.split(","):
             batch, lo, hi = map(int, spec.split(":"))
@@ -139,6 +159,57 @@ def main() -> None:
     model = fit_step_model(points)
     print("fit:", model, flush=True)
     save(args.out_dir, points, model)
+
+
+def decode_sweeps(engine, rng: random.Random, args, started: float) -> None:
+    from pdserve.planner.simulator import padded_batches
+    rows = padded_batches(512)
+    sweeps = []
+    for spec in args.decode_sweep.split(","):
+        lo, hi, batches = spec.split(":")
+        sweeps.append((int(lo), int(hi), sorted({int(b) for b in batches.split("/")}, reverse=True)))
+    points, details, took = [], [], {}
+    header = {"date": today(), "machine": machine(), "model": MODEL + " (dummy weights), bf16",
+              "engine": "max_num_seqs 512, max_num_batched_tokens 9216, async scheduling, CUDA graphs",
+              "method": f"per point: 3 steps to settle, then {args.windows} windows of 10 decode-only steps, each"
+                        " timed between device syncs; seconds = median window; decode_context = summed"
+                        " context halfway through the windows", "sweeps": args.decode_sweep}
+    header["kv_capacity_tokens"] = engine.scheduler.kv.pool.num_blocks * engine.scheduler.block_size
+    print(f"KV capacity: {header['kv_capacity_tokens']} tokens", flush=True)
+    for rep in range(args.repeats):
+        for index, (lo, hi, batches) in enumerate(sweeps):
+            elapsed = time.perf_counter() - started
+            if args.deadline and index in took and elapsed + took[index] > args.deadline:
+                print(f"skip rep {rep} sweep {lo}:{hi}: {elapsed:.0f} s + {took[index]:.0f} s > deadline", flush=True)
+                continue
+            t0 = time.perf_counter()
+            ids, requests = decoding(engine, [rng.randint(lo, hi) for _ in range(batches[0])], rng, f"sweep{rep}")
+            print(f"rep {rep} sweep {lo}:{hi}: {len(ids)} prefilled in {time.perf_counter() - t0:.1f} s", flush=True)
+            for batch in batches:
+                if batch < len(ids):
+                    engine.abort(ids[batch:])
+                    ids, requests = ids[:batch], requests[:batch]
+                sync_steps(engine, 3)
+                contexts = [r.num_tokens for r in requests]
+                half = 5 * args.windows
+                windows = [sync_steps(engine, 10) for _ in range(args.windows)]
+                # fewer than batch x 10 x windows tokens: a sequence was preempted or waited (KV full)
+                decoded = sum(r.num_tokens for r in requests) - sum(contexts)
+                point = StepPoint(0, 0, batch, sum(contexts) + half * batch, statistics.median(windows),
+                                  decode_max_context=max(contexts) + half)
+                points.append(point)
+                details.append({"rep": rep, "sweep": f"{lo}:{hi}", "graph_rows": rows[batch], "windows": windows,
+                                "tokens_decoded": decoded, "tokens_expected": batch * 10 * args.windows,
+                                "contexts": [c + half for c in contexts]})
+                print(f"  [{time.perf_counter() - started:5.0f} s] batch {batch:3d} (graph {rows[batch]:3d}) context"
+                      f" {point.decode_context:7d} longest {point.decode_max_context:5d}: "
+                      + " ".join(f"{w * 1e3:.3f}" for w in windows) + " ms", flush=True)
+                args.out_dir.mkdir(parents=True, exist_ok=True)   # quietly, after every point
+                (args.out_dir / f"gpu-decode-grid-{today()}.json").write_text(json.dumps(
+                    {**header, "points": [pt.as_dict() for pt in points], "detail": details}) + "\n")
+            drain(engine, ids)
+            took[index] = time.perf_counter() - t0
+    print(f"wrote {len(points)} points in {time.perf_counter() - started:.0f} s", flush=True)
 
 
 def save(out_dir: Path, points: list[StepPoint], model=None) -> None:
