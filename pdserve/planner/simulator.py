@@ -12,7 +12,11 @@ What each instance does per step is the scheduler's rule (core/scheduler.py), re
   recomputes, which this leaves out);
 - a decode-only step runs as the CUDA graph of the smallest captured batch size that holds it
   (worker/cuda_graphs.py): a batch of 65 costs the matmul rows of 128. The step profile was measured at
-  batch sizes that are all bucket sizes, so its fit cannot know this; the simulator adds it;
+  batch sizes that are all bucket sizes, so its fit cannot know this; the simulator adds it. The bucket
+  also sets the decode kernel's splits, and with them, where the profile has a decode kernel
+  (planner/profile.py), the decodes' attention, which depends on the longest decoding context too: each
+  instance keeps its decoding sequences in a heap by context (they all grow one token a step, so their
+  order never changes);
 - a P's request, once prefilled, reaches the client's first token `handoff_latency_s` later: P's sampled
   token goes with its kv_transfer_params and D sends it on admission, before it reads the KV (D's step in
   flight, at most one step more in a real engine, is left out). Its KV is on D after `handoff_latency_s +
@@ -39,34 +43,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.planner.profile import StepModel, attention_pairs
+from pdserve.planner.profile import GRAPH_BUCKETS, StepModel, attention_pairs, graph_buckets, padded_batches
 
 ARRIVAL, STEP_END, HANDOFF_DONE = 0, 1, 2
 POLICIES = ("round-robin", "least-load")
 POWER_OF_TWO_ABOVE = 16
-# The batch sizes pdserve captures decode CUDA graphs for (worker/cuda_graphs.py: BUCKETS, graph_buckets).
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """worker/cuda_graphs.graph_buckets, kept here so that the planner imports no torch: powers of two up
-    to 256, then steps of 128 up to max_num_seqs."""
-    small = [b for b in GRAPH_BUCKETS if b < max_num_seqs]
-    large = [b for b in GRAPH_BUCKETS if b >= max_num_seqs][:1] or \
-        list(range(GRAPH_BUCKETS[-1] + 128, max_num_seqs + 128, 128))
-    return tuple(small + large)
-
-
-def padded_batches(max_num_seqs: int) -> list[int]:
-    """rows[b]: the rows a decode-only step of b sequences runs through the model (its graph bucket)."""
-    rows = [0] * (max_num_seqs + 1)
-    buckets = graph_buckets(max_num_seqs)
-    i = 0
-    for b in range(1, max_num_seqs + 1):
-        while buckets[i] < b:
-            i += 1
-        rows[b] = buckets[i]
-    return rows
+# graph_buckets and padded_batches live in planner/profile.py (the fit needs them too); importable here as before
+__all__ = ["GRAPH_BUCKETS", "POLICIES", "graph_buckets", "padded_batches", "ClusterSpec", "EngineSpec", "Workload",
+           "Result", "Simulator", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -191,7 +175,7 @@ class Result:
 class _Instance:
     __slots__ = ("index", "role", "spec", "waiting", "incoming", "prefill_left", "admitted", "n_dec", "ctx_sum",
                  "finishing", "k", "busy", "kv_used", "seqs", "queued_tokens", "chunks", "load",
-                 "last_start", "pad_s")
+                 "last_start", "pad_s", "rows", "longest")
 
     def __init__(self, index: int, role: str, spec: EngineSpec):
         self.index, self.role, self.spec = index, role, spec
@@ -211,6 +195,10 @@ class _Instance:
         self.load = 0            # D: sequences held, coming, or routed here
         self.last_start = 0.0    # when the step now running was scheduled
         self.pad_s: list[float] | None = None  # pad_s[b]: what a decode-only step of b pays for its padding
+        self.rows: list[int] | None = None     # rows[b]: the graph bucket a decode-only step of b runs
+        # (-(context - k), request) of each decoding sequence, k the decode steps run: a sequence's context
+        # minus k is fixed while it decodes; finished ones are dropped lazily when they reach the top
+        self.longest: list[tuple[int, int]] = []
 
 
 class Simulator:
@@ -224,16 +212,17 @@ class Simulator:
         self.decode = [_Instance(base + i, "decode", cluster.engine) for i in range(cluster.num_decode)]
         base += len(self.decode)
         self.colocated = [_Instance(base + i, "colocated", cluster.engine) for i in range(cluster.num_colocated)]
-        pads: dict[EngineSpec, list[float]] = {}
+        pads: dict[EngineSpec, tuple[list[float], list[int]]] = {}
+        self.track_longest = model.decode_kernel is not None
         for inst in (*self.prefill, *self.decode, *self.colocated):
             if inst.spec.cuda_graphs:
                 if inst.spec not in pads:
                     # the padded rows go through the matmuls (per_token) like real ones; attention reads one
                     # token for each: nothing
                     w, t = model.weights, model.per_token
-                    pads[inst.spec] = [max(w, t * rows) - max(w, t * b)
-                                       for b, rows in enumerate(padded_batches(inst.spec.max_num_seqs))]
-                inst.pad_s = pads[inst.spec]
+                    rows = padded_batches(inst.spec.max_num_seqs)
+                    pads[inst.spec] = ([max(w, t * r) - max(w, t * b) for b, r in enumerate(rows)], rows)
+                inst.pad_s, inst.rows = pads[inst.spec]
         self.rr = {"prefill": 0, "decode": 0, "colocated": 0}
 
     # -- the router ----------------------------------------------------------------------------------
@@ -366,6 +355,8 @@ class Simulator:
             inst.n_dec += 1
             inst.ctx_sum += self.prompt[rid] + 1   # P's first token follows the prompt
             heapq.heappush(inst.finishing, (inst.k + self.output[rid] - 1, rid))
+            if self.track_longest:
+                heapq.heappush(inst.longest, (inst.k - self.prompt[rid] - 1, rid))
         budget = spec.max_num_batched_tokens - inst.n_dec
         tokens = pairs = 0
         for rid in inst.waiting:
@@ -393,8 +384,16 @@ class Simulator:
         inst.busy = True
         inst.last_start = now
         self.steps += 1
-        seconds = self.model.seconds(tokens, pairs, inst.n_dec, inst.ctx_sum)
-        if not tokens and inst.pad_s is not None:   # a decode-only step: its graph pads the batch
+        graph = not tokens and inst.pad_s is not None   # a decode-only step: its graph pads the batch
+        if self.track_longest and inst.n_dec:
+            heap, finish = inst.longest, self.finish
+            while finish[heap[0][1]] == finish[heap[0][1]]:   # finished (not NaN)
+                heapq.heappop(heap)
+            seconds = self.model.seconds(tokens, pairs, inst.n_dec, inst.ctx_sum, inst.k - heap[0][0],
+                                         inst.rows[inst.n_dec] if graph else inst.n_dec)
+        else:
+            seconds = self.model.seconds(tokens, pairs, inst.n_dec, inst.ctx_sum)
+        if graph:
             seconds += inst.pad_s[inst.n_dec]
         self._push(now + seconds, STEP_END, inst)
 
@@ -432,6 +431,8 @@ class Simulator:
             inst.n_dec += 1
             inst.ctx_sum += prompt[rid] + 1
             heapq.heappush(inst.finishing, (inst.k + output[rid] - 1, rid))
+            if self.track_longest:
+                heapq.heappush(inst.longest, (inst.k - prompt[rid] - 1, rid))
         inst.chunks.clear()
         self._start_step(inst, now)
 
