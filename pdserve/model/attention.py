@@ -10,9 +10,9 @@ kv_cache[:, i]  # [blocks, 2, slots, heads, dim]
 Two implementations behind write_kv(), rope_and_write_kv() and paged_attention():
   triton     (model/triton_attention.py) on CUDA: paged flash attention straight from the cache, GQA
              packed, split-K for decode; its write_kv skips negative slots (padded CUDA-graph rows).
-  reference  plain torch, the ground truth the fast paths are tested against; used on CPU, where its
-             decode rows (float32) go to a C kernel that reads the cache in place (model/cpu_kernels.py)
-             unless BACKEND is "reference" or the kernel cannot be built.
+  reference  plain torch, the ground truth the fast paths are tested against; used on CPU only where the
+             C kernels cannot serve (model/cpu_kernels.py: decode rows and prefill chunks, float32, read
+             straight from the cache), BACKEND is "reference" or no compiler built them.
 BACKEND picks: "auto" (triton on CUDA when Triton imports, else reference with the CPU kernel),
 "triton" (also on CPU under TRITON_INTERPRET=1, for tests) or "reference" (plain torch only). Its
 default comes from $PDSERVE_ATTENTION_BACKEND.
@@ -59,6 +59,7 @@ class AttentionMetadata:
     # Derived once per step, not per layer:
     num_decodes: int = field(init=False)    # leading sequences with one query token (the runner puts them first)
     max_query_len: int = field(init=False)  # 1: a decode-only batch
+    _chunks: tuple | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         n = 0
@@ -68,6 +69,21 @@ class AttentionMetadata:
             n += 1
         self.num_decodes = n
         self.max_query_len = max(self.query_lens_cpu, default=1)
+
+    def chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequences after the leading decodes that have query tokens (prefill chunks), for the CPU
+        prefill kernel: (block_tables [n, max_blocks], query_start [n + 1] token offsets, seq_lens [n]).
+        Made once per step, on first use by a layer."""
+        if self._chunks is None:
+            seqs = [i for i in range(self.num_decodes, len(self.query_lens_cpu)) if self.query_lens_cpu[i] > 0]
+            starts = [sum(self.query_lens_cpu[:self.num_decodes])]
+            for i in seqs:
+                starts.append(starts[-1] + self.query_lens_cpu[i])
+            index = torch.tensor(seqs, dtype=torch.long)
+            self._chunks = (self.block_tables.index_select(0, index.to(self.block_tables.device)),
+                            torch.tensor(starts, dtype=torch.int32),
+                            torch.tensor([self.seq_lens_cpu[i] for i in seqs], dtype=torch.int32))
+        return self._chunks
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -121,12 +137,16 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetada
             md.max_query_len, num_decodes=md.num_decodes)
     out = torch.empty_like(q)
     n = md.num_decodes   # the runner puts decodes first: sequences [0, n) are query tokens [0, n)
-    if (n and BACKEND != "reference" and not q.is_cuda
-            and cpu_kernels.decode_attention(q[:n], kv_layer, md.block_tables[:n], md.seq_lens[:n], scale, out[:n])):
-        if n == len(md.seq_lens_cpu):
-            return out
-        return paged_attention_reference(q, kv_layer, md, scale, out=out, num_done=n)
-    return paged_attention_reference(q, kv_layer, md, scale, out=out)
+    if BACKEND == "reference" or q.is_cuda:
+        return paged_attention_reference(q, kv_layer, md, scale, out=out)
+    if n and not cpu_kernels.decode_attention(q[:n], kv_layer, md.block_tables[:n], md.seq_lens[:n], scale, out[:n]):
+        return paged_attention_reference(q, kv_layer, md, scale, out=out)
+    if n == len(md.seq_lens_cpu):
+        return out
+    block_tables, query_start, seq_lens = md.chunks()
+    if cpu_kernels.prefill_attention(q, kv_layer, block_tables, query_start, seq_lens, scale, out):
+        return out
+    return paged_attention_reference(q, kv_layer, md, scale, out=out, num_done=n)
 
 
 def paged_attention_reference(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata,

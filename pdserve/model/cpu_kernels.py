@@ -26,7 +26,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("cpu_decode_attention.c", "cpu_linear.c", "cpu_norm.c", "cpu_rope.c")]
+SOURCES = [CSRC / name for name in ("cpu_decode_attention.c", "cpu_linear.c", "cpu_norm.c",
+                                                 "cpu_prefill_attention.c", "cpu_rope.c")]
 HEADERS = [CSRC / "vec8.h"]
 # -ffp-contract=off: no multiply-add fused behind our back (explicit FMAs are written as such), so that
 # the kernels that match torch op for op do so bit for bit with any compiler ($CC may be clang, which
@@ -107,6 +108,9 @@ def _build_and_open() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [
         ctypes.c_float]
+    lib.pdserve_prefill_attention.restype = ctypes.c_int
+    lib.pdserve_prefill_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [
+        ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_float]
     lib.pdserve_rms_norm.restype = None
     lib.pdserve_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
@@ -149,6 +153,34 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         q.data_ptr(), kv_layer.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
         q.shape[0], block_tables.shape[1], num_blocks, kv_layer.stride(0), kv_layer.stride(1), block_size,
         q.shape[1], num_kv_heads, head_dim, scale)
+    return rc == 0
+
+
+def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                      query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
+    """Query chunks of several tokens each, causal within the chunk, over the cached prefix, straight
+    from the paged cache, into out. False when the kernel is unavailable or the inputs are outside what
+    it handles (the caller then runs plain torch).
+
+    q [T, heads, dim] float32, rows of any stride, heads and dims dense; out [T, heads, dim] dense;
+    kv_layer [blocks, 2, slots, kv_heads, dim] (a layer's view); block_tables [n, max_blocks] int32;
+    query_start [n + 1] int32: sequence i's tokens are rows [query_start[i], query_start[i + 1]) of q
+    and out, its positions [seq_lens[i] - query_len, seq_lens[i]).
+    """
+    lib = _load()
+    if (lib is None or q.dtype != torch.float32 or kv_layer.dtype != torch.float32 or q.device.type != "cpu"
+            or q.dim() != 3 or q.stride()[1:] != (q.shape[2], 1) or not out.is_contiguous()):
+        return False
+    num_blocks, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    if kv_layer.stride()[2:] != (num_kv_heads * head_dim, head_dim, 1) or q.shape[2] != head_dim:
+        return False
+    block_tables = block_tables.to(torch.int32).contiguous()
+    query_start = query_start.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    rc = lib.pdserve_prefill_attention(
+        q.data_ptr(), q.stride(0), kv_layer.data_ptr(), block_tables.data_ptr(), query_start.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], block_tables.shape[1], num_blocks,
+        kv_layer.stride(0), kv_layer.stride(1), block_size, q.shape[1], num_kv_heads, head_dim, scale)
     return rc == 0
 
 

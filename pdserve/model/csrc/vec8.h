@@ -46,34 +46,40 @@ static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
 #endif
 
 typedef int32_t v8i __attribute__((vector_size(32)));
+/* Sixteen lanes: one AVX-512 register, a pair of AVX2 ones elsewhere. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
-/* e^x, eight at a time. glibc's expf is scalar unless -ffast-math, which we do not use, so as not to
- * let the compiler reorder the sums (vectorized, a 64-sequence step's attention went from 62.4 to
- * 55.2 ms, docs/benchmarks.md). Cephes' method: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7
- * polynomial, 2^n put in the exponent bits. Within 1 ulp of the exact e^x over [-87.3, 88.3]. Outside,
- * the ends: below -87.3 (e^x under the smallest normal float) e^-87.3, not 0 (next to a softmax row's
- * maximum term, e^0 = 1, far below a rounding error; in SiLU, x / (1 + e^-x) is then x to the last
- * bit); above 88.3, e^88.3 = 2.2e38, not infinity (SiLU's x / (1 + e^-x) is then -0 to 1e-36). The NaN
- * that arithmetic produces stays NaN. */
-static inline v8 exp8(v8 x) {
-    const v8 lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-    const v8 hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
-    const v8i below = x < lo, above = x > hi;
-    x = (v8)(((v8i)lo & below) | ((v8i)x & ~below));
-    x = (v8)(((v8i)hi & above) | ((v8i)x & ~above));
-    /* Rounding to the nearest integer by adding 1.5 * 2^23: the sum's low mantissa bits are n. */
-    const v8 shifter = {0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f, 0x1.8p23f};
-    const v8 shifted = x * 1.44269504088896341f + shifter;
-    const v8 n = shifted - shifter;
-    const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const v8i ni = (v8i)shifted - (v8i)shifter;
-    return (v8)((v8i)p + (ni << 23));
+/* e^x, a vector at a time: exp8 and exp16, lane for lane the same numbers. glibc's expf is scalar unless
+ * -ffast-math, which we do not use, so as not to let the compiler reorder the sums (vectorized, a
+ * 64-sequence step's attention went from 62.4 to 55.2 ms, docs/benchmarks.md). Cephes' method:
+ * x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 polynomial, 2^n put in the exponent bits.
+ * Within 1 ulp of the exact e^x over [-87.3, 88.3]. Outside, the ends: below -87.3 (e^x under the
+ * smallest normal float) e^-87.3, not 0 (next to a softmax row's maximum term, e^0 = 1, far below a
+ * rounding error; in SiLU, x / (1 + e^-x) is then x to the last bit); above 88.3, e^88.3 = 2.2e38, not
+ * infinity (SiLU's x / (1 + e^-x) is then -0 to 1e-36). The NaN that arithmetic produces stays NaN. */
+#define DEFINE_EXP(NAME, VT, VI)                                                                         \
+static inline VT NAME(VT x) {                                                                            \
+    const VT zero = {0};                                                                                 \
+    const VT lo = zero - 87.3f, hi = zero + 88.3f;                                                       \
+    const VI below = x < lo, above = x > hi;                                                             \
+    x = (VT)(((VI)lo & below) | ((VI)x & ~below));                                                       \
+    x = (VT)(((VI)hi & above) | ((VI)x & ~above));                                                       \
+    /* Rounding to the nearest integer by adding 1.5 * 2^23: the sum's low mantissa bits are n. */       \
+    const VT shifter = zero + 0x1.8p23f;                                                                 \
+    const VT shifted = x * 1.44269504088896341f + shifter;                                               \
+    const VT n = shifted - shifter;                                                                      \
+    const VT r = (x - n * 0.693359375f) - n * -2.12194440e-4f;                                           \
+    VT p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                                      \
+    p = p * r + 8.3334519073e-3f;                                                                        \
+    p = p * r + 4.1665795894e-2f;                                                                        \
+    p = p * r + 1.6666665459e-1f;                                                                        \
+    p = p * r + 5.0000001201e-1f;                                                                        \
+    p = p * (r * r) + r + 1.0f;                                                                          \
+    const VI ni = (VI)shifted - (VI)shifter;                                                             \
+    return (VT)((VI)p + (ni << 23));                                                                     \
 }
+DEFINE_EXP(exp8, v8, v8i)
+DEFINE_EXP(exp16, v16, v16i)
 
 #endif

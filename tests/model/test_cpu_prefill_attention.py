@@ -1,0 +1,188 @@
+"""The CPU prefill attention kernel (model/csrc/cpu_prefill_attention.c): against plain torch, the same
+bits however the prompt is chunked or batched, and the inputs it refuses."""
+import itertools
+
+import pytest
+import torch
+
+from pdserve.model import attention, cpu_kernels
+from pdserve.model.attention import AttentionMetadata, paged_attention, paged_attention_reference
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here")
+
+
+def make_cache(seq_lens, num_kv_heads, head_dim, block_size, seed=0, fill=None):
+    """A layer view of a cache with scattered blocks (slots past each sequence filled with `fill`, when
+    given) and a block table padded with 0, as the runner pads it."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(per_seq) + 3
+    kv = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.zeros(len(seq_lens), max(per_seq) + 2, dtype=torch.int32)
+    for i, n in enumerate(per_seq):
+        table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+        if fill is not None and seq_lens[i] % block_size:
+            kv[table[i, n - 1], :, :, seq_lens[i] % block_size:] = fill
+    return kv[:, 1], table
+
+
+def metadata(query_lens, seq_lens, table, block_size):
+    starts = [0, *itertools.accumulate(query_lens)]
+    return AttentionMetadata(torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+                             table, torch.zeros(starts[-1], dtype=torch.long), list(query_lens), list(seq_lens),
+                             block_size)
+
+
+def fused_queries(tokens, num_heads, head_dim, num_kv_heads, seed=1):
+    """q as the model passes it: a view of the fused qkv output, rows wider than the heads."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    return qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [
+    (9, 3, 64, 16),      # the default model
+    (32, 8, 128, 16),    # the 8B shapes
+    (4, 4, 32, 5),       # no GQA, blocks that split the key tiles
+    (32, 2, 16, 1),      # a group of 16, one slot per block
+    (8, 1, 64, 48),
+])
+def test_the_kernel_matches_torch(num_heads, num_kv_heads, head_dim, block_size):
+    # two decodes first (the runner's order), then whole prompts and chunks over a cached prefix,
+    # lengths either side of the key tiles (32) and the task's positions (96 rows)
+    query_lens = [1, 1, 1, 31, 33, 100, 7, 300]
+    seq_lens = [20, 70, 1, 31, 80, 100, 207, 300]
+    kv_layer, table = make_cache(seq_lens, num_kv_heads, head_dim, block_size)
+    q = fused_queries(sum(query_lens), num_heads, head_dim, num_kv_heads)
+    md = metadata(query_lens, seq_lens, table, block_size)
+    out = paged_attention(q, kv_layer, md, head_dim ** -0.5)
+    torch.testing.assert_close(out, paged_attention_reference(q, kv_layer, md, head_dim ** -0.5),
+                               rtol=1e-5, atol=2e-6)
+
+
+def test_the_kernel_serves_the_step(monkeypatch):
+    """(Else every case here compares torch with itself.)"""
+    calls = []
+    real = cpu_kernels.prefill_attention
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *a: calls.append(a[4].tolist()) or real(*a))
+    kv_layer, table = make_cache([9, 40], 3, 64, 16)
+    md = metadata([1, 12], [9, 40], table, 16)
+    q = fused_queries(13, 9, 64, 3)
+    torch.testing.assert_close(paged_attention(q, kv_layer, md, 0.125),
+                               paged_attention_reference(q, kv_layer, md, 0.125), rtol=1e-5, atol=2e-6)
+    assert calls == [[40]]
+
+
+@pytest.mark.parametrize("chunks", [[2, 98], [37, 63], [32, 32, 36], [96, 4], [2] * 5 + [90]])
+def test_a_prompt_gets_the_same_bits_whole_or_in_chunks(chunks):
+    """Chunked prefill (a budget, a prefix-cache hit) must not change a bit: P's prefill and a colocated
+    one agree only if each row's numbers depend on its position alone. (A one-token query is a decode
+    row, the decode kernel's, in any step.)"""
+    length = sum(chunks)
+    kv_layer, table = make_cache([length], 3, 64, 16)
+    q = fused_queries(length, 9, 64, 3)
+    whole = paged_attention(q, kv_layer, metadata([length], [length], table, 16), 0.125)
+    done = 0
+    for chunk in chunks:
+        md = metadata([chunk], [done + chunk], table, 16)
+        part = paged_attention(q[done:done + chunk], kv_layer, md, 0.125)
+        assert torch.equal(part, whole[done:done + chunk]), (chunks, done)
+        done += chunk
+
+
+def test_a_sequence_gets_the_same_bits_alone_in_a_batch_and_on_any_number_of_threads():
+    seq_lens = [150, 40, 9]
+    kv_layer, table = make_cache(seq_lens, 3, 64, 16)
+    q = fused_queries(sum(seq_lens), 9, 64, 3)
+    batch = paged_attention(q, kv_layer, metadata(seq_lens, seq_lens, table, 16), 0.125)
+    first = 0
+    for i, n in enumerate(seq_lens):
+        alone = paged_attention(q[first:first + n], kv_layer, metadata([n], [n], table[i:i + 1], 16), 0.125)
+        assert torch.equal(alone, batch[first:first + n]), i
+        first += n
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(paged_attention(q, kv_layer, metadata(seq_lens, seq_lens, table, 16), 0.125), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_slots_past_the_sequence_are_never_read():
+    """The last block's unwritten slots hold whatever a freed block held: NaN must not reach the output."""
+    clean, table = make_cache([70], 3, 64, 16)
+    dirty, _ = make_cache([70], 3, 64, 16, fill=float("nan"))
+    q = fused_queries(70, 9, 64, 3)
+    md = metadata([70], [70], table, 16)
+    out = paged_attention(q, dirty, md, 0.125)
+    assert torch.equal(out, paged_attention(q, clean, md, 0.125)) and not out.isnan().any()
+
+
+def test_scores_far_apart_keep_their_weights():
+    """A huge score next to small ones (the running maximum jumps tile after tile) still matches torch."""
+    kv_layer, table = make_cache([200], 1, 64, 16)
+    q = fused_queries(200, 4, 64, 1)
+    q.mul_(20.0)
+    md = metadata([200], [200], table, 16)
+    torch.testing.assert_close(paged_attention(q, kv_layer, md, 0.125),
+                               paged_attention_reference(q, kv_layer, md, 0.125), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spoil", ["block id past the cache", "negative block id", "prefix longer than the table",
+                                   "head_dim 48"])
+def test_inputs_it_cannot_serve_are_refused_not_read(spoil):
+    head_dim = 48 if spoil == "head_dim 48" else 64
+    kv_layer, table = make_cache([40], 3, head_dim, 16)
+    q = fused_queries(8, 9, head_dim, 3)
+    starts, lens = torch.tensor([0, 8], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
+    if spoil == "block id past the cache":
+        table[0, 1] = kv_layer.shape[0]
+    elif spoil == "negative block id":
+        table[0, 2] = -1
+    elif spoil == "prefix longer than the table":
+        lens[0] = table.shape[1] * 16 + 1
+    out = torch.full_like(q.contiguous(), 7.0)
+    assert not cpu_kernels.prefill_attention(q, kv_layer, table, starts, lens, 0.125, out)
+    assert (out == 7.0).all()
+
+
+def test_the_reference_backend_takes_torch(monkeypatch):
+    monkeypatch.setattr(attention, "BACKEND", "reference")
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *a: pytest.fail("the kernel ran"))
+    kv_layer, table = make_cache([30], 3, 64, 16)
+    q = fused_queries(30, 9, 64, 3)
+    paged_attention(q, kv_layer, metadata([30], [30], table, 16), 0.125)
+
+
+@pytest.mark.skipif("avx512f" not in cpu_kernels.cpu_flags(), reason="the AVX-512 build is made only here")
+def test_the_avx512_build_gives_the_avx2_builds_numbers_to_the_bit(tmp_path):
+    """P on an AVX2 machine and D on an AVX-512 one must agree on a prompt's KV and first token."""
+    import ctypes
+    import shutil
+    import subprocess
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    query_lens, seq_lens = [40, 130], [40, 200]
+    kv_layer, table = make_cache(seq_lens, 3, 64, 16)
+    q = fused_queries(sum(query_lens), 9, 64, 3)
+    starts = torch.tensor([0, 40, 170], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    outputs = []
+    for name, arch in (("avx2", ["-mavx2", "-mfma"]), ("avx512", ["-march=native"])):
+        lib_path = tmp_path / f"{name}.so"
+        subprocess.run([compiler, "-O3", *arch, "-fopenmp", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC",
+                        str(cpu_kernels.CSRC / "cpu_prefill_attention.c"), "-o", str(lib_path), "-lm"],
+                       check=True, capture_output=True, timeout=120)
+        fn = ctypes.CDLL(str(lib_path)).pdserve_prefill_attention
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [
+            ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_float]
+        out = torch.empty(q.shape)
+        assert fn(q.data_ptr(), q.stride(0), kv_layer.data_ptr(), table.data_ptr(), starts.data_ptr(),
+                  lens.data_ptr(), out.data_ptr(), 2, table.shape[1], kv_layer.shape[0], kv_layer.stride(0),
+                  kv_layer.stride(1), 16, 9, 3, 64, 0.125) == 0
+        outputs.append(out)
+    assert torch.equal(outputs[0], outputs[1])
+    md = metadata(query_lens, seq_lens, table, 16)
+    torch.testing.assert_close(outputs[1], paged_attention_reference(q, kv_layer, md, 0.125), rtol=1e-5, atol=2e-6)
