@@ -5,7 +5,7 @@ configuration's highest rate meeting the SLO (>= 90 % of requests, every lower r
 
     .venv/bin/python benchmarks/plan_validate.py [--compare-dir benchmarks/results/gpu-compare-2026-11-29-s3]
         [--sweep benchmarks/results/gpu-plan-validate-2026-12-04/prefill-heavy.json=256 ...]
-        [--profile benchmarks/results/gpu-step-profile-2026-12-04/gpu-step-profile-2026-12-04.json] [--out F.json]
+        [--profile pdserve/planner/profiles/h200-llama-3.1-8b.json] [--out F.json]
 
 --compare-dir: the deployments are read from each configuration's JSON (instances, budget, chunking,
 max_num_seqs); the router was round-robin, the handoff cuda_ipc (300 GB/s and 3 ms a request,
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.planner.plan import DEFAULT_PROFILE
 from pdserve.planner.profile import load_step_model
 from pdserve.planner.simulator import ClusterSpec, EngineSpec, Workload, simulate
 
@@ -58,7 +59,8 @@ def measured(requests: list[dict], slo_ttft: float, slo_tpot: float) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compare-dir", type=Path, default=None)
-    p.add_argument("--profile", default="benchmarks/results/gpu-step-profile-2026-12-04/gpu-step-profile-2026-12-04.json")
+    p.add_argument("--profile", default=str(DEFAULT_PROFILE),
+                   help="the step profile (default: the one `pdserve plan` ships, with its decode-kernel term)")
     p.add_argument("--sweep", action="append", default=[], metavar="FILE=MAX_NUM_SEQS")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
