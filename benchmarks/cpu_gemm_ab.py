@@ -4,6 +4,8 @@ differ by 10-20 %. Both builds take cpu_kernels.FLAGS; the weights are packed on
 must be the same in both) and several copies are cycled so that they come from memory, as in a step.
 
     .venv/bin/python benchmarks/cpu_gemm_ab.py [--base-rev HEAD] [--rows 1,64,256,2048] [--out F.json]
+        [--base-flags=-DNAME=1] [--tree-flags=-DNAME=1]   (a compile-time switch on either side; --base-rev
+        tree takes the working tree's source for both)
 
 Prints GFLOP/s per (shape, rows): the base's and the tree's medians, and their ratio; checks that both
 give the same bits.
@@ -26,12 +28,12 @@ from pdserve.model import cpu_kernels
 from cpu_gemm_shapes import SHAPES, WEIGHT_BYTES_PER_SHAPE
 
 
-def build(source: str, tmp: Path, tag: str) -> ctypes.CDLL:
+def build(source: str, tmp: Path, tag: str, flags: list[str]) -> ctypes.CDLL:
     src = tmp / f"cpu_linear_{tag}.c"
     src.write_text(source)
     (tmp / "vec8.h").write_text((cpu_kernels.CSRC / "vec8.h").read_text())
     out = tmp / f"linear_{tag}.so"
-    subprocess.run(["gcc", *cpu_kernels.FLAGS, str(src), "-o", str(out), "-lm"], check=True)
+    subprocess.run(["gcc", *cpu_kernels.FLAGS, *flags, str(src), "-o", str(out), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     lib.pdserve_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -45,15 +47,18 @@ def main() -> None:
     p.add_argument("--rows", default="1,64,256,2048")
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--base-flags", default="")
+    p.add_argument("--tree-flags", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     path = "pdserve/model/csrc/cpu_linear.c"
-    base_src = subprocess.run(["git", "show", f"{args.base_rev}:{path}"], check=True, capture_output=True,
-                              text=True).stdout
+    tree_src = (cpu_kernels.CSRC / "cpu_linear.c").read_text()
+    base_src = tree_src if args.base_rev == "tree" else subprocess.run(
+        ["git", "show", f"{args.base_rev}:{path}"], check=True, capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": build(base_src, Path(tmp), "base"),
-                "tree": build((cpu_kernels.CSRC / "cpu_linear.c").read_text(), Path(tmp), "tree")}
+        libs = {"base": build(base_src, Path(tmp), "base", args.base_flags.split()),
+                "tree": build(tree_src, Path(tmp), "tree", args.tree_flags.split())}
         rows_out = []
         for name, (k, n) in SHAPES.items():
             copies = max(1, int(WEIGHT_BYTES_PER_SHAPE // (n * k * 4)))
@@ -83,7 +88,8 @@ def main() -> None:
                 print("  ".join(f"{key} {value}" for key, value in row.items()), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"base_rev": args.base_rev, "threads": args.threads, "rows": rows_out}, f, indent=1)
+            json.dump({"base_rev": args.base_rev, "base_flags": args.base_flags, "tree_flags": args.tree_flags,
+                       "threads": args.threads, "rows": rows_out}, f, indent=1)
 
 
 if __name__ == "__main__":
