@@ -177,6 +177,14 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: tor
     block_tables = block_tables.to(torch.int32).contiguous()
     query_start = query_start.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
+    # The C side gets raw pointers and checks the cache's side (block ids, lengths) but cannot see q's and
+    # out's rows or the tables' count: a token range past q or out, or a sequence without its table row
+    # or its query_start entry, would be read or written, not refused.
+    n = seq_lens.shape[0]
+    if (out.dtype != torch.float32 or out.device.type != "cpu" or out.shape != q.shape or seq_lens.dim() != 1
+            or query_start.shape != (n + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != n
+            or (n and (int(query_start[0]) < 0 or int(query_start[-1]) > q.shape[0]))):
+        return False
     rc = lib.pdserve_prefill_attention(
         q.data_ptr(), q.stride(0), kv_layer.data_ptr(), block_tables.data_ptr(), query_start.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], block_tables.shape[1], num_blocks,

@@ -186,3 +186,59 @@ def test_the_avx512_build_gives_the_avx2_builds_numbers_to_the_bit(tmp_path):
     assert torch.equal(outputs[0], outputs[1])
     md = metadata(query_lens, seq_lens, table, 16)
     torch.testing.assert_close(outputs[1], paged_attention_reference(q, kv_layer, md, 0.125), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("spoil", ["tokens past q", "out shorter than q", "out of another dtype", "short query_start",
+                                   "fewer tables than sequences", "negative first token"])
+def test_offsets_outside_q_and_out_are_refused_not_followed(spoil):
+    """query_start, the tables and out come to C as raw pointers: rows past q or out, or a sequence without a
+    table, must be refused, not read or written (review: they were followed). Every tensor here is a view of
+    a larger one, so that the kernel's reads and writes before the check stayed inside real memory."""
+    kv_layer, table = make_cache([40, 30], 3, 64, 16)
+    q = fused_queries(32, 9, 64, 3)[8:24]
+    starts_buf = torch.tensor([0, 8, 16, 24], dtype=torch.int32)
+    starts, lens = starts_buf[:3], torch.tensor([40, 30], dtype=torch.int32)
+    out_buf = torch.full((32, 9, 64), 7.0)
+    out = out_buf[8:24]
+    if spoil == "tokens past q":
+        starts = torch.tensor([0, 8, 20], dtype=torch.int32)
+    elif spoil == "out shorter than q":
+        out = out_buf[8:20]
+    elif spoil == "out of another dtype":
+        out = torch.full((16, 9, 64), 7.0, dtype=torch.float64)
+    elif spoil == "short query_start":
+        starts = starts_buf[:2]
+    elif spoil == "fewer tables than sequences":
+        table = torch.cat([table, table])[:3][:1]
+    elif spoil == "negative first token":
+        starts = torch.tensor([-4, 8, 16], dtype=torch.int32)
+    assert not cpu_kernels.prefill_attention(q, kv_layer, table, starts, lens, 0.125, out)
+    assert (out_buf == 7.0).all() and (out == 7.0).all()
+
+
+def test_shapes_the_c_side_cannot_take_are_refused_not_a_crash():
+    """Called straight (as a caller other than the wrapper may): no query heads divided by zero (SIGFPE, review);
+    a context near 2^31 overflows an int block count (undefined behaviour that GCC 12 happened to compile
+    into a working check; the count is now 64-bit), and its bad block ids must still be refused. Run in a
+    child so that a crash fails this test rather than ending the session."""
+    import subprocess
+    import sys
+    code = r"""
+import ctypes, torch
+from pdserve.model import cpu_kernels
+lib = cpu_kernels._load()
+kv = torch.zeros(1, 2, 1 << 16, 1, 16)
+q = torch.zeros(1, 1, 16)
+out = torch.zeros(1, 1, 16)
+starts = torch.tensor([0, 1], dtype=torch.int32)
+def call(table, seq_len, num_heads):
+    return lib.pdserve_prefill_attention(q.data_ptr(), 16, kv.data_ptr(), table.data_ptr(), starts.data_ptr(),
+        torch.tensor([seq_len], dtype=torch.int32).data_ptr(), out.data_ptr(), 1, table.shape[1], 1, kv.stride(0),
+        kv.stride(1), 1 << 16, num_heads, 1, 16, 0.25)
+print(call(torch.zeros(1, 1, dtype=torch.int32), 1, 0), flush=True)
+table = torch.full((1, 1 << 15), -1, dtype=torch.int32)
+print(call(table, 2 ** 31 - 1, 1), flush=True)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["-1", "-1"], (result.returncode, result.stdout,
+                                                                             result.stderr[-2000:])

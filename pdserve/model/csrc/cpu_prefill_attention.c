@@ -246,7 +246,7 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
                               const int32_t *query_start, const int32_t *seq_lens, float *out, int num_seqs,
                               int max_blocks, int num_blocks, int64_t block_stride, int64_t kv_stride,
                               int block_size, int num_heads, int num_kv_heads, int head_dim, float scale) {
-    if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || block_size < 1) return -1;
+    if (num_kv_heads < 1 || num_heads < 1 || num_heads % num_kv_heads != 0 || block_size < 1) return -1;
     const int group = num_heads / num_kv_heads;
     if (group > 16 || !(head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128)) return -1;
     const int per_task = TASK_ROWS / group > 0 ? TASK_ROWS / group : 1;   /* positions per task */
@@ -255,7 +255,8 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
         const int32_t query_len = query_start[s + 1] - query_start[s], len = seq_lens[s];
         if (query_len < 1 || len < query_len || len > (int64_t)max_blocks * block_size) return -1;
         /* A block id outside the cache would read another process's memory, not raise: refuse it. */
-        for (int32_t b = 0; b < (len + block_size - 1) / block_size; b++) {
+        /* (in 64 bits: len + block_size - 1 passes 2^31 near the longest lengths) */
+        for (int64_t b = 0; b < ((int64_t)len + block_size - 1) / block_size; b++) {
             const int32_t id = block_tables[(int64_t)s * max_blocks + b];
             if (id < 0 || id >= num_blocks) return -1;
         }
