@@ -242,3 +242,19 @@ print(call(table, 2 ** 31 - 1, 1), flush=True)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.split() == ["-1", "-1"], (result.returncode, result.stdout,
                                                                              result.stderr[-2000:])
+
+
+@pytest.mark.xfail(strict=True, reason="open (review): a one-token query is the decode kernel's, whose sums run in "
+                   "another order; the runner would have to send a prompt's one-token chunk to this kernel")
+@pytest.mark.parametrize("length", [17, 300])
+def test_a_one_token_last_chunk_gets_the_bits_of_the_whole_prompt(length):
+    """The last chunk of a prompt is one token whenever the budget leaves one over (a 2,049-token prompt at
+    2,048, or at 2,048 minus the running decodes on a colocated instance, where P, with no decodes, takes it
+    whole) and on every whole-block prefix-cache hit of a 16k + 1-token prompt. That row is the one whose
+    logits give the first token, and its K and V feed every later step: P/D equals colocated, and a
+    repeated prompt its first answer, only if it gets the bits it gets inside a longer chunk."""
+    kv_layer, table = make_cache([length], 3, 64, 16)
+    q = fused_queries(length, 9, 64, 3)
+    whole = paged_attention(q, kv_layer, metadata([length], [length], table, 16), 0.125)
+    last = paged_attention(q[-1:], kv_layer, metadata([1], [length], table, 16), 0.125)
+    assert torch.equal(last, whole[-1:])
