@@ -283,3 +283,25 @@ def test_the_avx512_tiles_give_the_avx2_tiles_numbers_to_the_bit(tmp_path):
         outputs.append(y)
     assert torch.equal(outputs[0], outputs[1])
     torch.testing.assert_close(outputs[1], F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.xfail(strict=True, reason="open (review): pdserve_linear divides by its row block count, 0 at m = 0; "
+                   "cpu_kernels.linear and layers.linear never pass 0 rows, so only a direct caller meets it")
+def test_the_driver_takes_zero_rows_as_it_did_before_the_even_split():
+    """Before the rows x panels split, m = 0 was an empty loop; since, (m + 0 - 1) / 0 is a SIGFPE. Run in a
+    child so that the crash fails this test rather than ending the session."""
+    import subprocess
+    import sys
+    code = r"""
+import torch
+from pdserve.model import cpu_kernels
+lib = cpu_kernels._load()
+w = torch.randn(16, 64)
+packed = cpu_kernels.pack_linear(w)
+x, y = torch.zeros(1, 64), torch.full((1, 16), 7.0)
+lib.pdserve_linear(x.data_ptr(), 64, packed.data_ptr(), None, y.data_ptr(), 16, 0, 16, 64)
+print((y == 7.0).all().item(), flush=True)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["True"], (result.returncode, result.stderr[-2000:])
