@@ -27,6 +27,10 @@ class ScheduledRequest:
     block_ids: list[int]              # the request's whole block table
     sampling_params: SamplingParams
     do_sample: bool                   # False for a prompt chunk that is not the last
+    # The tokens are the prompt's (a prefill chunk), not the one token the step before sampled: a one-token
+    # prefill chunk takes the prefill attention path, so its row gets the bits it gets inside a longer
+    # chunk (the decode kernel sums in another order).
+    prefill: bool = False
     # Tokens sampled for the request before this step, as the scheduler knows them (a resumed request
     # starts with those another instance generated): a seeded generator made now skips that many draws.
     num_output_tokens: int = 0

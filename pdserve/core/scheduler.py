@@ -338,6 +338,7 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
             do_sample=do_sample,
+            prefill=start < request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
         )
 

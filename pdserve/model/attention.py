@@ -56,8 +56,12 @@ class AttentionMetadata:
     query_lens_cpu: list[int]       # host copies so the reference path needs no device sync
     seq_lens_cpu: list[int]
     block_size: int
+    # How many leading sequences are decodes (their one token sampled by the step before); the one-token
+    # prefill chunks after them go to the prefill kernel on CPU. None: every leading one-token sequence.
+    decodes: int | None = None
     # Derived once per step, not per layer:
     num_decodes: int = field(init=False)    # leading sequences with one query token (the runner puts them first)
+    cpu_decodes: int = field(init=False)    # of those, the ones the CPU decode kernel takes
     max_query_len: int = field(init=False)  # 1: a decode-only batch
     _chunks: tuple | None = field(default=None, init=False, repr=False)
 
@@ -68,15 +72,16 @@ class AttentionMetadata:
                 break
             n += 1
         self.num_decodes = n
+        self.cpu_decodes = n if self.decodes is None else min(n, self.decodes)
         self.max_query_len = max(self.query_lens_cpu, default=1)
 
     def chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The sequences after the leading decodes that have query tokens (prefill chunks), for the CPU
+        """The sequences after the decodes that have query tokens (prefill chunks), for the CPU
         prefill kernel: (block_tables [n, max_blocks], query_start [n + 1] token offsets, seq_lens [n]).
         Made once per step, on first use by a layer."""
         if self._chunks is None:
-            seqs = [i for i in range(self.num_decodes, len(self.query_lens_cpu)) if self.query_lens_cpu[i] > 0]
-            starts = [sum(self.query_lens_cpu[:self.num_decodes])]
+            seqs = [i for i in range(self.cpu_decodes, len(self.query_lens_cpu)) if self.query_lens_cpu[i] > 0]
+            starts = [sum(self.query_lens_cpu[:self.cpu_decodes])]
             for i in seqs:
                 starts.append(starts[-1] + self.query_lens_cpu[i])
             index = torch.tensor(seqs, dtype=torch.long)
@@ -136,7 +141,7 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetada
             q, kv_layer, md.query_start_loc, md.seq_lens, md.block_tables, md.block_size, scale,
             md.max_query_len, num_decodes=md.num_decodes)
     out = torch.empty_like(q)
-    n = md.num_decodes   # the runner puts decodes first: sequences [0, n) are query tokens [0, n)
+    n = md.cpu_decodes   # the runner puts decodes first: sequences [0, n) are query tokens [0, n)
     if BACKEND == "reference" or q.is_cuda:
         return paged_attention_reference(q, kv_layer, md, scale, out=out)
     if n and not cpu_kernels.decode_attention(q[:n], kv_layer, md.block_tables[:n], md.seq_lens[:n], scale, out[:n]):

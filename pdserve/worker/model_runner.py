@@ -215,8 +215,10 @@ class ModelRunner:
         logits_rows: list[int] = []
         fill_rows: list[int] = []    # input rows whose token the previous step samples
         fill_from: list[int] = []    # ... and which of its sampled rows holds it
-        # One-token rows (decodes) first: the attention kernel gives them their own launch.
-        scheduled = sorted(out.scheduled, key=lambda item: len(item.token_ids) != 1)
+        # One-token rows first, decodes before one-token prefill chunks: the attention kernels give the
+        # leading one-token rows their own launch (all of them on CUDA; on CPU the decodes only).
+        scheduled = sorted(out.scheduled, key=lambda item: (len(item.token_ids) != 1, item.prefill))
+        decodes = sum(len(item.token_ids) == 1 and not item.prefill for item in scheduled)
         max_blocks = max(len(item.block_ids) for item in scheduled)
         # Filled row by row through a numpy view (a nested-list torch.tensor costs ~10 us per sequence).
         block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32, pin_memory=self.pin_memory)
@@ -261,7 +263,7 @@ class ModelRunner:
                 seq_lens=to_device(seq_lens, torch.int32, self.device),
                 block_tables=block_tables.to(self.device, non_blocking=True),
                 slot_mapping=to_device(slot_mapping, torch.int64, self.device),
-                query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=bs)
+                query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=bs, decodes=decodes)
             ids = to_device(input_ids, torch.long, self.device)
             if fill is not None:
                 ids[fill[0]] = fill[1]

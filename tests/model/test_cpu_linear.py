@@ -286,8 +286,6 @@ def test_the_avx512_tiles_give_the_avx2_tiles_numbers_to_the_bit(tmp_path):
 
 
 @needs_kernels
-@pytest.mark.xfail(strict=True, reason="open (review): pdserve_linear divides by its row block count, 0 at m = 0; "
-                   "cpu_kernels.linear and layers.linear never pass 0 rows, so only a direct caller meets it")
 def test_the_driver_takes_zero_rows_as_it_did_before_the_even_split():
     """Before the rows x panels split, m = 0 was an empty loop; since, (m + 0 - 1) / 0 is a SIGFPE. Run in a
     child so that the crash fails this test rather than ending the session."""

@@ -27,11 +27,11 @@ def make_cache(seq_lens, num_kv_heads, head_dim, block_size, seed=0, fill=None):
     return kv[:, 1], table
 
 
-def metadata(query_lens, seq_lens, table, block_size):
+def metadata(query_lens, seq_lens, table, block_size, decodes=None):
     starts = [0, *itertools.accumulate(query_lens)]
     return AttentionMetadata(torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
                              table, torch.zeros(starts[-1], dtype=torch.long), list(query_lens), list(seq_lens),
-                             block_size)
+                             block_size, decodes=decodes)
 
 
 def fused_queries(tokens, num_heads, head_dim, num_kv_heads, seed=1):
@@ -244,8 +244,6 @@ print(call(table, 2 ** 31 - 1, 1), flush=True)
                                                                              result.stderr[-2000:])
 
 
-@pytest.mark.xfail(strict=True, reason="open (review): a one-token query is the decode kernel's, whose sums run in "
-                   "another order; the runner would have to send a prompt's one-token chunk to this kernel")
 @pytest.mark.parametrize("length", [17, 300])
 def test_a_one_token_last_chunk_gets_the_bits_of_the_whole_prompt(length):
     """The last chunk of a prompt is one token whenever the budget leaves one over (a 2,049-token prompt at
@@ -256,5 +254,42 @@ def test_a_one_token_last_chunk_gets_the_bits_of_the_whole_prompt(length):
     kv_layer, table = make_cache([length], 3, 64, 16)
     q = fused_queries(length, 9, 64, 3)
     whole = paged_attention(q, kv_layer, metadata([length], [length], table, 16), 0.125)
-    last = paged_attention(q[-1:], kv_layer, metadata([1], [length], table, 16), 0.125)
+    # the runner says it is a prefill chunk, not a decode (decodes=0)
+    last = paged_attention(q[-1:], kv_layer, metadata([1], [length], table, 16, decodes=0), 0.125)
     assert torch.equal(last, whole[-1:])
+    # beside a decode, which still takes the decode kernel
+    both = torch.cat([q[:1], q[-1:]])
+    table2 = torch.cat([table, table])
+    mixed = paged_attention(both, kv_layer, metadata([1, 1], [1, length], table2, 16, decodes=1), 0.125)
+    assert torch.equal(mixed[1:], whole[-1:])
+
+
+@pytest.mark.parametrize("last_chunk_is_prefill", [True, False])
+def test_the_runner_sends_a_one_token_prompt_chunk_to_the_prefill_kernel(tiny_model_paths, last_chunk_is_prefill):
+    """Through the model runner: a 40-token prompt as 39 + 1 tokens writes the KV the whole prompt writes,
+    to the bit, in every layer (the last token's K and V past layer 0 come from its attention output), and
+    beside a running decode, which the runner sorts first. Marked as a decode instead (what the runner did
+    before ScheduledRequest.prefill), that token's later layers differ: the test can tell."""
+    from pdserve.core.batch import ScheduledRequest, SchedulerOutput
+    from pdserve.engine.llm import LLM
+    from pdserve.sampling_params import SamplingParams
+    llm = LLM(tiny_model_paths["llama"], dtype="float32", block_size=8, num_blocks=64)
+    runner, params = llm.engine.runner, SamplingParams(temperature=0.0, max_tokens=4)
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]
+
+    def run(out):
+        runner.collect(runner.launch(out))
+
+    run(SchedulerOutput([ScheduledRequest("whole", prompt, 0, list(range(5)), params, do_sample=True,
+                                          prefill=True)], 40))
+    run(SchedulerOutput([ScheduledRequest("other", prompt[:20], 0, [10, 11, 12], params, do_sample=True,
+                                          prefill=True)], 20))
+    run(SchedulerOutput([ScheduledRequest("chunked", prompt[:39], 0, list(range(5, 10)), params, do_sample=False,
+                                          prefill=True)], 39))
+    last = ScheduledRequest("chunked", prompt[39:], 39, list(range(5, 10)), params, do_sample=True,
+                            prefill=last_chunk_is_prefill)
+    decode = ScheduledRequest("other", [prompt[20]], 20, [10, 11, 12], params, do_sample=True)
+    run(SchedulerOutput([last, decode], 2))
+    kv = runner.kv_cache
+    same = torch.equal(kv[0:5], kv[5:10])
+    assert same == last_chunk_is_prefill

@@ -189,6 +189,7 @@ static void row_tiles(const tile_fn *tiles, const float *x, int64_t ldx, const f
  * thread 63 % of the work). */
 void pdserve_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int m, int n, int k) {
+    if (m < 1 || n < 1 || k < 1) return;   /* nothing to do (and the block arithmetic below divides by m's) */
     const int panels = (n + NR - 1) / NR;
     int rows_per_block = (int)(ROW_BLOCK_BYTES / ((int64_t)k * 4)) / MR * MR;
     if (rows_per_block < MR) rows_per_block = MR;
