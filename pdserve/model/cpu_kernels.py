@@ -26,8 +26,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("cpu_decode_attention.c", "cpu_linear.c", "cpu_norm.c",
-                                                 "cpu_prefill_attention.c", "cpu_rope.c")]
+SOURCES = [CSRC / name for name in ("cpu_decode_attention.c", "cpu_linear.c", "cpu_norm.c", "cpu_prefill_attention.c",
+                                    "cpu_rope.c")]
 HEADERS = [CSRC / "vec8.h"]
 # -ffp-contract=off: no multiply-add fused behind our back (explicit FMAs are written as such), so that
 # the kernels that match torch op for op do so bit for bit with any compiler ($CC may be clang, which

@@ -1,4 +1,4 @@
-/* Paged prefill attention on CPU, float32: the multi-token (prompt chunk) sequences of a step, each query
+/* Paged prefill attention on CPU, float32: the prompt chunks of a step (one token or many), each query
  * token against every key up to its own position, read straight from the paged KV cache.
  *
  * Why a kernel: torch's SDPA took 1 ms a layer for one 256-token prompt of the default model on the
