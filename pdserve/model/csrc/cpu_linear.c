@@ -36,8 +36,8 @@
 /* Up to this many bytes of x, the tasks go panel block by panel block (each thread's run of them reads
  * every weight panel once, x again from the caches for each panel block); past it, row block by row
  * block (x once, the weights again for each row block). At 256 rows of the default model the panel
- * order measured 3-7 % faster on qkv, o and gate_up; at 2,048 rows (4.6 MB of x) the two were within
- * 2 % (benchmarks/cpu_gemm_ab.py). */
+ * order measured 12-15 % faster; at 2,048 rows (4.6 MB of x) the two were within 1 %
+ * (benchmarks/cpu_gemm_ab.py, docs/benchmarks.md). */
 #define X_RESIDENT_BYTES (2 * 1024 * 1024)
 
 /* A tile row's `cols` results, plus the bias, into y. */
@@ -77,18 +77,6 @@ static void tile_##ROWS(const float *x, int64_t ldx, const float *panel, int k, 
         write_row(y + i * ldy, row, bias, cols);                                                         \
     }                                                                                                    \
 }
-DEFINE_TILE(1)
-DEFINE_TILE(2)
-DEFINE_TILE(3)
-DEFINE_TILE(4)
-DEFINE_TILE(5)
-DEFINE_TILE(6)
-DEFINE_TILE(7)
-DEFINE_TILE(8)
-DEFINE_TILE(9)
-DEFINE_TILE(10)
-DEFINE_TILE(11)
-DEFINE_TILE(12)
 /* Two adjacent panels at once (the first full, `cols` columns of the second): each broadcast of x feeds
  * two FMAs, which the loads, not the FMA units, bounded with one panel. */
 #define DEFINE_TILE2(ROWS)                                                                               \
@@ -113,23 +101,6 @@ static void tile2_##ROWS(const float *x, int64_t ldx, const float *panel, int k,
         write_row(y + i * ldy, row, bias, NR + cols);                                                    \
     }                                                                                                    \
 }
-DEFINE_TILE2(1)
-DEFINE_TILE2(2)
-DEFINE_TILE2(3)
-DEFINE_TILE2(4)
-DEFINE_TILE2(5)
-DEFINE_TILE2(6)
-DEFINE_TILE2(7)
-DEFINE_TILE2(8)
-DEFINE_TILE2(9)
-DEFINE_TILE2(10)
-DEFINE_TILE2(11)
-DEFINE_TILE2(12)
-typedef void (*tile_fn)(const float *, int64_t, const float *, int, float *, int64_t, int, const float *);
-static const tile_fn TILES[MR + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8,
-                                      tile_9, tile_10, tile_11, tile_12};
-static const tile_fn TILES2[MR + 1] = {NULL, tile2_1, tile2_2, tile2_3, tile2_4, tile2_5, tile2_6, tile2_7,
-                                       tile2_8, tile2_9, tile2_10, tile2_11, tile2_12};
 #else
 /* ROWS (<= MR) rows of x against one panel. ROWS is a constant in each copy, so the loops unroll and
  * the accumulators stay in registers; the arithmetic per element is the same in every copy. */
@@ -154,14 +125,40 @@ static void tile_##ROWS(const float *x, int64_t ldx, const float *panel, int k, 
         write_row(y + i * ldy, row, bias, cols);                                                         \
     }                                                                                                    \
 }
+#endif
+
+/* The tiles of 1 .. MR rows: every copy the same arithmetic per element, ROWS a constant in each. */
 DEFINE_TILE(1)
 DEFINE_TILE(2)
 DEFINE_TILE(3)
 DEFINE_TILE(4)
 DEFINE_TILE(5)
 DEFINE_TILE(6)
-
 typedef void (*tile_fn)(const float *, int64_t, const float *, int, float *, int64_t, int, const float *);
+#if defined(__AVX512F__)
+DEFINE_TILE(7)
+DEFINE_TILE(8)
+DEFINE_TILE(9)
+DEFINE_TILE(10)
+DEFINE_TILE(11)
+DEFINE_TILE(12)
+DEFINE_TILE2(1)
+DEFINE_TILE2(2)
+DEFINE_TILE2(3)
+DEFINE_TILE2(4)
+DEFINE_TILE2(5)
+DEFINE_TILE2(6)
+DEFINE_TILE2(7)
+DEFINE_TILE2(8)
+DEFINE_TILE2(9)
+DEFINE_TILE2(10)
+DEFINE_TILE2(11)
+DEFINE_TILE2(12)
+static const tile_fn TILES[MR + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8,
+                                      tile_9, tile_10, tile_11, tile_12};
+static const tile_fn TILES2[MR + 1] = {NULL, tile2_1, tile2_2, tile2_3, tile2_4, tile2_5, tile2_6, tile2_7,
+                                       tile2_8, tile2_9, tile2_10, tile2_11, tile2_12};
+#else
 static const tile_fn TILES[MR + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 #endif
 

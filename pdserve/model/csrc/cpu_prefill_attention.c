@@ -2,7 +2,7 @@
  * token against every key up to its own position, read straight from the paged KV cache.
  *
  * Why a kernel: torch's SDPA took 1 ms a layer for one 256-token prompt of the default model on the
- * 2-core AVX-512 EPYC (30 ms of a 196 ms prefill, docs/benchmarks.md), after two index_select gathers
+ * 2-core AVX-512 EPYC (33-39 ms of a 208-241 ms prefill, docs/benchmarks.md), after two index_select gathers
  * of the cache; its matmuls run at ATen's GEMM rate there, under half of what the FMA units give.
  *
  * A task is one sequence's KV head and a block of its query positions: the rows are (position, query
@@ -110,7 +110,7 @@ static inline void shown_keys(int visible, v16i shown[KT / 16]) {
  * (exactly 0 for keys past a row's position); m and l the rows' running maxima and sums; alpha out,
  * the factor each row's O must be scaled by before this tile's values are added. A row at position
  * `first + r / group` sees the tile's keys k0 .. its position. Sixteen lanes at a time, and the rescale
- * factors sixteen rows at a time (eight-lane code with a scalar maximum took 45 % of the kernel). */
+ * factors sixteen rows at a time: the exponentials are a large share of the kernel's work. */
 static void softmax_tile(float *s, int rows, int group, int first, int k0, int nk, float scale, float *m,
                          float *l, float *alpha) {
     const v16 ninf = (v16){0} - INFINITY;
