@@ -20,8 +20,9 @@ import torch
 
 from pdserve.model import cpu_kernels
 from pdserve.model.attention import _prefill_attention
+from pdserve.worker.cpu_memory import advise_huge_pages
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
 
 def timed(fn, repeats: int) -> float:
@@ -39,14 +40,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=276)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                   help="back the cache with 2 MiB pages where the kernel allows it, as the engine does")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the engine's block_size)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the kernel does not build here (see the warning above)")
-    n, length = args.batch, args.context
+    n, length, BLOCK = args.batch, args.context, args.block_size
     per_seq = -(-length // BLOCK)
     gen = torch.Generator().manual_seed(0)
-    kv = torch.randn(n * per_seq + 1, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    kv = torch.empty(n * per_seq + 1, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM)
+    huge = advise_huge_pages(kv) if args.huge_pages else False   # as the engine's cache (worker/kv_cache.py)
+    kv.normal_(generator=gen)
     tables = (torch.randperm(n * per_seq, generator=gen) + 1).to(torch.int32).view(n, per_seq)
     lens = torch.full((n,), length, dtype=torch.int32)
     q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
@@ -84,7 +90,7 @@ def main() -> None:
               f"{row['kernel_hot_ms']} ms")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"batch": n, "context": length, "kv_bytes_read": kv_bytes, "rows": rows}, f, indent=1)
+            json.dump({"batch": n, "context": length, "block_size": BLOCK, "huge_pages": huge, "kv_bytes_read": kv_bytes, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
