@@ -180,6 +180,9 @@ class EngineConfig:
         self.kv_transfer.validate()
         self.parallel.validate()
         connector = self.kv_transfer.kv_connector
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads (--num-threads): must be at least 1, got {self.num_threads}; leave it out "
+                             f"for one thread per allowed core")
         if self.core_lending and not self.cpu_affinity:
             raise ValueError("core_lending: needs cpu_affinity, the cores this engine owns (--cpu-cores)")
         if self.core_lending and self.parallel.tensor_parallel_size > 1:

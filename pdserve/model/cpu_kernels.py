@@ -64,8 +64,15 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(FLAGS), version,
                                      _cpu_flags()]).encode())
     target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    checksum = target.with_name(target.name + ".sha256")
     if target.exists():
-        return target
+        # A library cut short (a crash or power loss before its pages reached the disk, a full disk, a
+        # shared cache written by another host) loads, then kills the engine with SIGBUS at its first call
+        # into a missing page, and again on every restart: only a library matching the checksum written
+        # after it was built is loaded.
+        if checksum.is_file() and checksum.read_text().strip() == _sha256(target):
+            return target
+        logger.warning("CPU kernels: %s does not match its checksum (cut short or changed): rebuilding it", target)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built under a private name and renamed: engines starting together never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -75,11 +82,40 @@ def _build(compiler: str) -> Path:
                                 timeout=_COMPILE_TIMEOUT_S)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        _fsync(tmp)
+        digest = _sha256(Path(tmp))
         os.replace(tmp, target)
+        _write_durably(checksum, digest)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """text into path, whole or not at all: written under a private name, synced, renamed."""
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -146,6 +182,13 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
     num_blocks, _, block_size, num_kv_heads, head_dim = kv_layer.shape
     if kv_layer.stride()[2:] != (num_kv_heads * head_dim, head_dim, 1) or not out.is_contiguous():
         return False
+    # The C side gets raw pointers: q's and out's rows, the tables' rows and the lengths must be as many
+    # as the sequences, and q's head size the cache's, or it would read or write past them.
+    n = q.shape[0] if q.dim() == 3 else -1
+    if (q.dim() != 3 or q.shape[2] != head_dim or out.dtype != torch.float32 or out.device.type != "cpu"
+            or out.shape != q.shape or block_tables.dim() != 2 or block_tables.shape[0] != n
+            or tuple(seq_lens.shape) != (n,)):
+        return False
     q = q.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
@@ -202,6 +245,9 @@ def _library() -> ctypes.CDLL:
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] float32 in the kernel's panel layout (model/csrc/cpu_linear.c), for linear()."""
     lib = _library()
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"pack_linear: weight {tuple(weight.shape)} {weight.dtype} on {weight.device}: expected a "
+                         f"2-D float32 CPU tensor")
     weight = weight.contiguous()
     n, k = weight.shape
     _check_dims(n, k)
@@ -230,9 +276,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: to
     """x [M, K] float32 (rows may be strided) times the weight that pack_linear packed (+ bias): [M, N]."""
     n, k = weight.shape
     lib = _library()
-    if x.shape[1] != k or packed.numel() != packed_linear_numel(n, k):
-        raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, packed {packed.numel()} "
-                         f"elements: they do not belong together")
+    if (x.dim() != 2 or x.shape[1] != k or packed.numel() != packed_linear_numel(n, k)
+            or any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu") for t in (x, packed, bias))
+            or (bias is not None and tuple(bias.shape) != (n,))):
+        raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}, packed "
+                         f"{packed.numel()} elements {packed.dtype}, bias "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)}: they do not belong together "
+                         f"(float32 on CPU, x [M, K], bias [N])")
     _check_dims(x.shape[0], n, k)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -252,6 +302,9 @@ def fits_rows(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """layers._rms_norm (no residual) or layers._add_rms_norm (returns (normed, x + residual)) on rows that
     fits_rows accepts; weight dense float32 [hidden]."""
+    if not fits_rows(x):
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype} with strides {x.stride()}: not float32 rows on "
+                         f"CPU with unit stride along a row")
     rows, h = x.shape
     if (tuple(weight.shape) != (h,) or weight.dtype != torch.float32 or not weight.is_contiguous()
             or (residual is not None and (tuple(residual.shape) != (rows, h) or not fits_rows(residual)))):
@@ -273,6 +326,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """layers._silu_and_mul on rows that fits_rows accepts: [T, 2 * inter] -> [T, inter]."""
+    if not fits_rows(gate_up):
+        raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} {gate_up.dtype} with strides "
+                         f"{gate_up.stride()}: not float32 rows on CPU with unit stride along a row")
     rows, width = gate_up.shape
     if width % 2:
         raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} has an odd width")

@@ -134,6 +134,13 @@ def packer() -> str | None:
     return None
 
 
+def prepare_cpu_linear() -> str | None:
+    """Choose the packed GEMM (building the C kernels where it is ours) at the engine's start, not at its
+    first request: a PDSERVE_CPU_GEMM that names no GEMM or one that does not work here then fails the
+    start with its reason, instead of a healthy-looking server failing every request."""
+    return packer() if CPU_PACKED_LINEAR else None
+
+
 def _packed_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
     """The packed copy of weight for GEMM `name`, kept on the tensor itself (so it dies with it) and
     redone when the weight changes: written in place (its version), given new storage or shape (the

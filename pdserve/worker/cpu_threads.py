@@ -24,6 +24,11 @@ def allowed_cores() -> int:
 def set_num_threads(num_threads: int | None, why: str | None = None) -> int:
     """torch's intra-op threads: `num_threads`, or one per allowed core; `why` names the choice in the log."""
     chosen = num_threads or allowed_cores()
+    if chosen > allowed_cores():
+        # OpenMP threads past the cores wait on descheduled peers at every barrier: several times slower.
+        logger.warning("CPU threads: %d asked for, but this process may run on %d cores; each step will "
+                       "wait on descheduled threads (leave --num-threads out for one per core)",
+                       chosen, allowed_cores())
     torch.set_num_threads(chosen)
     logger.info("CPU threads: %d (%s; %d cores allowed)", chosen,
                 why or ("--num-threads" if num_threads else "one per core"), allowed_cores())

@@ -25,6 +25,7 @@ from pdserve.core.batch import (PLACEHOLDER_TOKEN_ID, KVConnectorOutput, ModelRu
                                 SchedulerOutput)
 from pdserve.core.kv_cache_manager import cdiv
 from pdserve.kv_transfer.base import KVConnectorWorker
+from pdserve.model import layers
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.host_copy import to_device
 from pdserve.model.loader import load_model
@@ -117,6 +118,8 @@ class ModelRunner:
         self.tp = tp
         self.model, self.info = load_model(model_config.model, self.dtype, self.device,
                                            model_config.load_format, model_config.seed, tp)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            layers.prepare_cpu_linear()
         self.kv_cache = allocate_kv_cache(self.info, cache_config, self.dtype, self.device, num_blocks, tp)
         self.num_blocks = self.kv_cache.shape[0]
         self.connector = connector

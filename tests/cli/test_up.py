@@ -192,6 +192,32 @@ def test_an_engine_uses_one_thread_per_allowed_core_unless_told(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_threads_past_the_cores_are_warned_of_and_fewer_than_one_refused(monkeypatch, caplog):
+    """--num-threads 64 on 2 cores ran 4.5x slower without a word; -1 failed inside torch without naming
+    the flag."""
+    import logging
+    import os
+
+    import pytest
+    import torch
+
+    from pdserve.config import EngineConfig
+    from pdserve.worker.cpu_threads import set_num_threads
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+        with caplog.at_level(logging.WARNING, logger="pdserve.worker.cpu_threads"):
+            assert set_num_threads(3) == 3
+            assert set_num_threads(2) == 2
+        assert [r.getMessage().split(";")[0] for r in caplog.records] == [
+            "CPU threads: 3 asked for, but this process may run on 2 cores"]
+    finally:
+        torch.set_num_threads(before)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="--num-threads"):
+            EngineConfig(num_threads=bad).validate()
+
+
 def test_instances_sharing_a_gpu_each_get_their_part_of_its_memory(monkeypatch):
     """Three instances on two GPUs: the two on GPU 0 get 0.45 each (before, each asked for the default 0.9
     and the second found no room), the one alone on GPU 1 keeps serve's default; a role's own flag wins."""

@@ -1,12 +1,18 @@
 """The CPU decode attention kernel (model/csrc/cpu_decode_attention.c) against plain torch, and its ways
 out: inputs it refuses, and no compiler at all."""
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from pdserve.model import cpu_kernels
 from pdserve.model.attention import _prefill_attention
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here")
 
@@ -147,13 +153,52 @@ def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     assert cpu_kernels.available()
-    built = list(tmp_path.iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so"
+    built = sorted(tmp_path.iterdir())
+    assert [path.name.split(".", 1)[1] for path in built] == ["so", "so.sha256"]
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     assert cpu_kernels.available()
-    assert list(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
+    assert sorted(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
+
+
+def test_a_cached_library_cut_short_is_rebuilt_not_loaded(monkeypatch, tmp_path):
+    """A library truncated in the cache (a crash before its pages reached the disk) used to load and then
+    kill the process with SIGBUS at its first call, on every restart. Run in a child: that is the crash."""
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    assert cpu_kernels.available()
+    library = next(tmp_path.glob("*.so"))
+    library.write_bytes(library.read_bytes()[:4096])
+    script = ("import torch; from pdserve.model import cpu_kernels as ck; from tests.model.test_cpu_kernels import "
+              "paged_case; q, kv, t, n = paged_case([20, 3], 4, 2); out = torch.empty_like(q); "
+              "print(ck.decode_attention(q, kv, t, n, 0.125, out))")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PDSERVE_KERNEL_CACHE": str(tmp_path)}, cwd=ROOT)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip() == "True" and "rebuilding it" in child.stderr
+    assert len(library.read_bytes()) > 4096
+
+
+@pytest.mark.parametrize("case", ["head_dim", "out_rows", "out_dtype", "few_lengths", "few_tables"])
+def test_inputs_that_do_not_belong_together_are_refused(case):
+    """The C side sees raw pointers: a q whose head size is not the cache's, an out too small or of another
+    dtype, fewer lengths or table rows than sequences would be read or written past (a segfault)."""
+    q, kv_layer, table, lens = paged_case([20, 3, 40], 4, 2)
+    out = torch.empty_like(q)
+    if case == "head_dim":
+        q = q[:, :, :32].contiguous()
+        out = torch.empty_like(q)
+    elif case == "out_rows":
+        out = torch.empty(1, 4, 64)
+    elif case == "out_dtype":
+        out = torch.empty(q.shape, dtype=torch.float64)
+    elif case == "few_lengths":
+        lens = lens[:1]
+    else:
+        table = table[:1]
+    assert not cpu_kernels.decode_attention(q, kv_layer, table, lens, 0.125, out)
 
 
 @pytest.mark.parametrize("rows, heads, kv_heads, head_dim, block_size", [(1, 9, 3, 64, 16), (37, 9, 3, 64, 16),

@@ -238,6 +238,38 @@ def test_mismatched_operands_never_reach_the_kernel(case):
 
 
 @needs_kernels
+@pytest.mark.parametrize("case", ["float64_x", "short_bias", "float64_bias", "bfloat16_weight"])
+def test_the_kernels_own_entry_points_refuse_what_does_not_belong_together(case):
+    """cpu_kernels.linear / pack_linear called directly (layers.linear guards its own calls): a float64 x
+    gave NaN, a short bias was read past, a bfloat16 weight was packed as garbage."""
+    x, w, b = torch.randn(4, 576), torch.randn(96, 576), None
+    if case == "bfloat16_weight":
+        with pytest.raises(ValueError, match="pack_linear"):
+            cpu_kernels.pack_linear(w.bfloat16())
+        return
+    if case == "float64_x":
+        x = x.double()
+    elif case == "short_bias":
+        b = torch.randn(3)
+    else:
+        b = torch.randn(96, dtype=torch.float64)
+    with pytest.raises(ValueError, match="do not belong together"):
+        cpu_kernels.linear(x, cpu_kernels.pack_linear(w), w, b)
+
+
+def test_a_wrong_gemm_name_fails_the_engines_start(monkeypatch, tiny_model_paths):
+    """PDSERVE_CPU_GEMM=garbage used to pass the start (health 200) and fail every request's step."""
+    from pdserve.engine.llm import LLM
+    monkeypatch.setenv("PDSERVE_CPU_GEMM", "garbage")
+    layers.packer.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="PDSERVE_CPU_GEMM='garbage': expected one of"):
+            LLM(str(tiny_model_paths["llama"]), dtype="float32", device="cpu")
+    finally:
+        layers.packer.cache_clear()
+
+
+@needs_kernels
 def test_the_kernel_refuses_a_packing_of_another_weight():
     w = torch.randn(96, 576)
     with pytest.raises(ValueError, match="do not belong together"):

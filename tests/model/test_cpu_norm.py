@@ -86,3 +86,15 @@ def test_operands_that_do_not_belong_together_are_refused():
         cpu_kernels.rms_norm(x, torch.randn(64), 1e-5, torch.randn(3, 32))
     with pytest.raises(ValueError, match="odd width"):
         cpu_kernels.silu_and_mul(torch.randn(3, 65))
+
+
+def test_rows_the_kernels_cannot_read_in_place_are_refused():
+    """Called directly, a transposed x (unit stride down a column) gave wrong numbers; layers guards its own
+    calls with fits_rows."""
+    x = torch.randn(64, 8).t()
+    with pytest.raises(ValueError, match="unit stride"):
+        cpu_kernels.rms_norm(x, torch.randn(64), 1e-5)
+    with pytest.raises(ValueError, match="unit stride"):
+        cpu_kernels.silu_and_mul(x)
+    with pytest.raises(ValueError, match="unit stride"):
+        cpu_kernels.rms_norm(torch.randn(3, 8, dtype=torch.float64), torch.randn(8), 1e-5)
