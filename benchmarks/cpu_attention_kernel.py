@@ -90,7 +90,8 @@ def main() -> None:
               f"{row['kernel_hot_ms']} ms")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"batch": n, "context": length, "block_size": BLOCK, "huge_pages": huge, "kv_bytes_read": kv_bytes, "rows": rows}, f, indent=1)
+            json.dump({"batch": n, "context": length, "block_size": BLOCK, "huge_pages": huge,
+                       "kv_bytes_read": kv_bytes, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

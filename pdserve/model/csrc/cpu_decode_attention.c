@@ -27,10 +27,10 @@
 
 /* The next block's rows of the task's heads (width floats from row, every slot), asked for while this block
  * is computed: blocks lie anywhere in the cache, so the hardware prefetcher, which follows streams within a
- * page, starts each block cold. Into L2, not L1: a prefetch into L1 holds one of the core's few L1 miss
- * buffers until its line arrives, so the prefetches queued behind each other and behind the loads; on the
- * 2-core Zen 4 EPYC that made the kernel 1.5x slower (benchmarks/cpu_attention_kernel.py, docs/benchmarks.md).
- * A line is used once per block, so L2's latency is paid once and the loads that follow hit L1. */
+ * page, starts each block cold. Into L2, not L1: into L1 the kernel ran 1.5x slower on the 2-core Zen 4
+ * EPYC (benchmarks/cpu_attention_kernel.py, docs/benchmarks.md), likely because a prefetch into L1 holds
+ * one of the core's few L1 miss buffers until its line arrives, so the prefetches queued behind each other
+ * and the loads. A line is used once per block, so the loads that follow pay L2's latency, not memory's. */
 static inline void prefetch_row(const float *row, int width) {
     for (int d = 0; d < width; d += 16) __builtin_prefetch(row + d, 0, 1);
 }
