@@ -89,7 +89,7 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C com
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 11, 12, 13, 25, 100])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 11, 12, 13, 25, 100, 128, 131, 200])
 @pytest.mark.parametrize("out_features, in_features", [(16, 8), (37, 13), (200, 576), (48, 3000)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_our_gemm_matches_f_linear_at_every_edge(rows, out_features, in_features, bias):
@@ -290,8 +290,10 @@ def test_a_forced_gemm_that_does_not_work_is_an_error(monkeypatch):
 
 @needs_kernels
 @pytest.mark.skipif("avx512f" not in cpu_kernels.cpu_flags(), reason="the AVX-512 tiles are built only here")
-def test_the_avx512_tiles_give_the_avx2_tiles_numbers_to_the_bit(tmp_path):
-    """P on an AVX2 machine and D on an AVX-512 one must agree: the same GEMM built both ways, same bits."""
+@pytest.mark.parametrize("n, m", [(200, 37), (248, 131), (200, 300)])
+def test_the_avx512_tiles_give_the_avx2_tiles_numbers_to_the_bit(tmp_path, n, m):
+    """P on an AVX2 machine and D on an AVX-512 one must agree: the same GEMM built both ways, same bits.
+    Past 128 rows the AVX-512 build takes tiles of four panels (the last one partial at n = 248)."""
     import ctypes
     import shutil
     import subprocess
@@ -299,7 +301,7 @@ def test_the_avx512_tiles_give_the_avx2_tiles_numbers_to_the_bit(tmp_path):
     compiler = shutil.which("gcc") or shutil.which("cc")
     source = Path(cpu_kernels.__file__).parent / "csrc" / "cpu_linear.c"
     gen = torch.Generator().manual_seed(3)
-    n, k, m = 200, 576, 37   # a partial last panel, odd pairs of panels, 37 rows: tiles of 12 and their tail
+    k = 576   # n: a partial last panel, odd pairs of panels; m = 37: tiles of 12 and their tail
     w, x, b = (torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n, generator=gen))
     outputs = []
     for name, arch in (("avx2", ["-mavx2", "-mfma"]), ("avx512", ["-march=native"])):

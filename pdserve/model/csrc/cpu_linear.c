@@ -24,6 +24,12 @@
  * chain over k in order, so the numbers are the AVX2 tile's to the bit, on any CPU. */
 #define MR 12
 #define PANELS_PER_TILE 2
+/* From this many rows on, tiles of up to 6 rows x four panels instead: six broadcasts of x per k for
+ * twenty-four FMAs, not twelve. On the 2-core Zen 4 EPYC (AVX-512 on 256-bit units) 3-6 % faster at 256
+ * and 2,048 rows, and up to 8 % slower at 64, where 6-row tiles leave more short ones
+ * (benchmarks/cpu_gemm_ab.py, docs/benchmarks.md). */
+#define MR4 6
+#define QUAD_MIN_ROWS 128
 #else
 #define MR 6
 #define PANELS_PER_TILE 1
@@ -101,6 +107,37 @@ static void tile2_##ROWS(const float *x, int64_t ldx, const float *panel, int k,
         write_row(y + i * ldy, row, bias, NR + cols);                                                    \
     }                                                                                                    \
 }
+/* Four adjacent panels at once (the first three full, `cols` columns of the fourth). */
+#define DEFINE_TILE4(ROWS)                                                                               \
+static void tile4_##ROWS(const float *x, int64_t ldx, const float *panel, int k, float *y, int64_t ldy, \
+                         int cols, const float *bias) {                                                  \
+    __m512 acc0[ROWS], acc1[ROWS], acc2[ROWS], acc3[ROWS];                                               \
+    const int64_t step = (int64_t)k * NR;                                                                \
+    for (int i = 0; i < (ROWS); i++) {                                                                   \
+        acc0[i] = _mm512_setzero_ps(); acc1[i] = _mm512_setzero_ps();                                    \
+        acc2[i] = _mm512_setzero_ps(); acc3[i] = _mm512_setzero_ps();                                    \
+    }                                                                                                    \
+    for (int kk = 0; kk < k; kk++) {                                                                     \
+        const float *b = panel + (int64_t)kk * NR;                                                       \
+        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + step);                            \
+        const __m512 b2 = _mm512_loadu_ps(b + 2 * step), b3 = _mm512_loadu_ps(b + 3 * step);              \
+        for (int i = 0; i < (ROWS); i++) {                                                               \
+            const __m512 a = _mm512_set1_ps(x[i * ldx + kk]);                                            \
+            acc0[i] = _mm512_fmadd_ps(a, b0, acc0[i]);                                                   \
+            acc1[i] = _mm512_fmadd_ps(a, b1, acc1[i]);                                                   \
+            acc2[i] = _mm512_fmadd_ps(a, b2, acc2[i]);                                                   \
+            acc3[i] = _mm512_fmadd_ps(a, b3, acc3[i]);                                                   \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int i = 0; i < (ROWS); i++) {                                                                   \
+        float row[4 * NR];                                                                               \
+        _mm512_storeu_ps(row, acc0[i]);                                                                  \
+        _mm512_storeu_ps(row + NR, acc1[i]);                                                             \
+        _mm512_storeu_ps(row + 2 * NR, acc2[i]);                                                         \
+        _mm512_storeu_ps(row + 3 * NR, acc3[i]);                                                         \
+        write_row(y + i * ldy, row, bias, 3 * NR + cols);                                                \
+    }                                                                                                    \
+}
 #else
 /* ROWS (<= MR) rows of x against one panel. ROWS is a constant in each copy, so the loops unroll and
  * the accumulators stay in registers; the arithmetic per element is the same in every copy. */
@@ -158,20 +195,27 @@ static const tile_fn TILES[MR + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile
                                       tile_9, tile_10, tile_11, tile_12};
 static const tile_fn TILES2[MR + 1] = {NULL, tile2_1, tile2_2, tile2_3, tile2_4, tile2_5, tile2_6, tile2_7,
                                        tile2_8, tile2_9, tile2_10, tile2_11, tile2_12};
+DEFINE_TILE4(1)
+DEFINE_TILE4(2)
+DEFINE_TILE4(3)
+DEFINE_TILE4(4)
+DEFINE_TILE4(5)
+DEFINE_TILE4(6)
+static const tile_fn TILES4[MR4 + 1] = {NULL, tile4_1, tile4_2, tile4_3, tile4_4, tile4_5, tile4_6};
 #else
 static const tile_fn TILES[MR + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 #endif
 
-/* The row tiles of rows [r, r_end): tiles of MR rows, except that a remainder of fewer than MR / 2 rows is
+/* The row tiles of rows [r, r_end): tiles of mr rows, except that a remainder of fewer than mr / 2 rows is
  * merged with the tile before it and the two split in halves (4 rows after 252 would be a tile that
  * runs at a third of a full one's rate; 8 + 8 run near full). Which tile an element falls in does not
  * change its numbers. */
-static void row_tiles(const tile_fn *tiles, const float *x, int64_t ldx, const float *panel, int k, float *y,
-                      int64_t ldy, int cols, const float *bias, int r, int r_end) {
+static void row_tiles(const tile_fn *tiles, int mr, const float *x, int64_t ldx, const float *panel, int k,
+                      float *y, int64_t ldy, int cols, const float *bias, int r, int r_end) {
     while (r < r_end) {
-        int rows = r_end - r < MR ? r_end - r : MR;
+        int rows = r_end - r < mr ? r_end - r : mr;
         const int left = r_end - r - rows;
-        if (left > 0 && left < MR / 2)
+        if (left > 0 && left < mr / 2)
             rows = (rows + left + 1) / 2;
         tiles[rows](x + (int64_t)r * ldx, ldx, panel, k, y + (int64_t)r * ldy, ldy, cols, bias);
         r += rows;
@@ -194,8 +238,12 @@ void pdserve_linear(const float *x, int64_t ldx, const float *packed, const floa
     rows_per_block = ((m + row_blocks - 1) / row_blocks + MR - 1) / MR * MR;   /* even blocks */
     /* whole tiles of panels, at least one (at K = 1,536 one panel is 96 KiB, and single-panel tiles
      * run slower than pairs) */
-    int panels_per_block = (int)(PANEL_BLOCK_BYTES / ((int64_t)k * 4 * NR)) / PANELS_PER_TILE * PANELS_PER_TILE;
-    if (panels_per_block < PANELS_PER_TILE) panels_per_block = PANELS_PER_TILE;
+    int tile_panels = PANELS_PER_TILE;
+#if defined(__AVX512F__)
+    if (m >= QUAD_MIN_ROWS) tile_panels = 4;
+#endif
+    int panels_per_block = (int)(PANEL_BLOCK_BYTES / ((int64_t)k * 4 * NR)) / tile_panels * tile_panels;
+    if (panels_per_block < tile_panels) panels_per_block = tile_panels;
     const int panel_blocks = (panels + panels_per_block - 1) / panels_per_block;
     const int64_t work = (int64_t)m * panels;
     const int panel_major = (int64_t)m * k * 4 <= X_RESIDENT_BYTES;
@@ -215,19 +263,22 @@ void pdserve_linear(const float *x, int64_t ldx, const float *packed, const floa
                 const int64_t middle = 2 * before + (int64_t)(r_end - r0) * (p_end - p0);
                 if (middle * threads / (2 * work) != thread)
                     continue;
-                for (int p = p0; p < p_end; p += PANELS_PER_TILE) {
+                for (int p = p0, used; p < p_end; p += used) {
                     const float *panel = packed + (int64_t)p * k * NR;
+                    float *out = y + (int64_t)p * NR;
+                    const float *b = bias ? bias + p * NR : NULL;
 #if defined(__AVX512F__)
-                    if (p + 1 < p_end) {   /* two panels; the second may be the last, partial one */
-                        const int cols = n - (p + 1) * NR < NR ? n - (p + 1) * NR : NR;
-                        row_tiles(TILES2, x, ldx, panel, k, y + (int64_t)p * NR, ldy, cols,
-                                  bias ? bias + p * NR : NULL, r0, r_end);
-                        continue;
-                    }
-#endif
+                    used = tile_panels == 4 && p + 3 < p_end ? 4 : p + 1 < p_end ? 2 : 1;
+                    /* the last panel of the tile may be the last, partial one */
+                    const int cols = n - (p + used - 1) * NR < NR ? n - (p + used - 1) * NR : NR;
+                    if (used == 4) row_tiles(TILES4, MR4, x, ldx, panel, k, out, ldy, cols, b, r0, r_end);
+                    else if (used == 2) row_tiles(TILES2, MR, x, ldx, panel, k, out, ldy, cols, b, r0, r_end);
+                    else row_tiles(TILES, MR, x, ldx, panel, k, out, ldy, cols, b, r0, r_end);
+#else
+                    used = 1;
                     const int cols = n - p * NR < NR ? n - p * NR : NR;
-                    row_tiles(TILES, x, ldx, panel, k, y + (int64_t)p * NR, ldy, cols, bias ? bias + p * NR : NULL,
-                              r0, r_end);
+                    row_tiles(TILES, MR, x, ldx, panel, k, out, ldy, cols, b, r0, r_end);
+#endif
                 }
             }
         }
