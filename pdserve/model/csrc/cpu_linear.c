@@ -19,15 +19,15 @@
 
 #define NR 16
 #if defined(__AVX512F__)
-/* With AVX-512 a panel's sixteen columns are one register: a tile is up to 12 rows, twelve accumulators
- * of the thirty-two registers, one panel load and twelve broadcasts per k. Each element is still one FMA
- * chain over k in order, so the numbers are the AVX2 tile's to the bit, on any CPU. */
+/* With AVX-512 a panel's sixteen columns are one register: a tile is up to 12 rows x two panels, 24
+ * accumulators of the thirty-two registers, two panel loads and twelve broadcasts per k. Each element is
+ * still one FMA chain over k in order, so the numbers are the AVX2 tile's to the bit, on any CPU. */
 #define MR 12
 #define PANELS_PER_TILE 2
 /* From this many rows on, tiles of up to 6 rows x four panels instead: six broadcasts of x per k for
- * twenty-four FMAs, not twelve. On the 2-core Zen 4 EPYC (AVX-512 on 256-bit units) 3-6 % faster at 256
- * and 2,048 rows, and up to 8 % slower at 64, where 6-row tiles leave more short ones
- * (benchmarks/cpu_gemm_ab.py, docs/benchmarks.md). */
+ * twenty-four FMAs, not twelve. On the 2-core Zen 4 EPYC (AVX-512 on 256-bit units) 2.6-4.4 % faster at
+ * 128-2,048 rows (benchmarks/cpu_gemm_ab.py, docs/benchmarks.md). Below it, the 12-row tiles stay: a
+ * decode batch of 64 rows would be cut into more short 6-row tiles. */
 #define MR4 6
 #define QUAD_MIN_ROWS 128
 #else
@@ -66,78 +66,35 @@ void pdserve_pack_linear(const float *w, float *packed, int n, int k) {
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-/* ROWS (<= MR) rows of x against one panel, as the AVX2 tile below. */
-#define DEFINE_TILE(ROWS)                                                                                \
-static void tile_##ROWS(const float *x, int64_t ldx, const float *panel, int k, float *y, int64_t ldy,  \
-                        int cols, const float *bias) {                                                   \
-    __m512 acc[ROWS];                                                                                    \
-    for (int i = 0; i < (ROWS); i++) acc[i] = _mm512_setzero_ps();                                       \
-    for (int kk = 0; kk < k; kk++) {                                                                     \
-        const __m512 b = _mm512_loadu_ps(panel + (int64_t)kk * NR);                                     \
-        for (int i = 0; i < (ROWS); i++)                                                                 \
-            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + kk]), b, acc[i]);                        \
-    }                                                                                                    \
-    for (int i = 0; i < (ROWS); i++) {                                                                   \
-        float row[NR];                                                                                   \
-        _mm512_storeu_ps(row, acc[i]);                                                                   \
-        write_row(y + i * ldy, row, bias, cols);                                                         \
-    }                                                                                                    \
-}
-/* Two adjacent panels at once (the first full, `cols` columns of the second): each broadcast of x feeds
- * two FMAs, which the loads, not the FMA units, bounded with one panel. */
-#define DEFINE_TILE2(ROWS)                                                                               \
-static void tile2_##ROWS(const float *x, int64_t ldx, const float *panel, int k, float *y, int64_t ldy, \
-                         int cols, const float *bias) {                                                  \
-    __m512 acc0[ROWS], acc1[ROWS];                                                                       \
-    const float *next = panel + (int64_t)k * NR;                                                         \
-    for (int i = 0; i < (ROWS); i++) { acc0[i] = _mm512_setzero_ps(); acc1[i] = _mm512_setzero_ps(); }  \
-    for (int kk = 0; kk < k; kk++) {                                                                     \
-        const __m512 b0 = _mm512_loadu_ps(panel + (int64_t)kk * NR);                                    \
-        const __m512 b1 = _mm512_loadu_ps(next + (int64_t)kk * NR);                                     \
-        for (int i = 0; i < (ROWS); i++) {                                                               \
-            const __m512 a = _mm512_set1_ps(x[i * ldx + kk]);                                            \
-            acc0[i] = _mm512_fmadd_ps(a, b0, acc0[i]);                                                   \
-            acc1[i] = _mm512_fmadd_ps(a, b1, acc1[i]);                                                   \
-        }                                                                                                \
-    }                                                                                                    \
-    for (int i = 0; i < (ROWS); i++) {                                                                   \
-        float row[2 * NR];                                                                               \
-        _mm512_storeu_ps(row, acc0[i]);                                                                  \
-        _mm512_storeu_ps(row + NR, acc1[i]);                                                             \
-        write_row(y + i * ldy, row, bias, NR + cols);                                                    \
-    }                                                                                                    \
-}
-/* Four adjacent panels at once (the first three full, `cols` columns of the fourth). */
-#define DEFINE_TILE4(ROWS)                                                                               \
-static void tile4_##ROWS(const float *x, int64_t ldx, const float *panel, int k, float *y, int64_t ldy, \
-                         int cols, const float *bias) {                                                  \
-    __m512 acc0[ROWS], acc1[ROWS], acc2[ROWS], acc3[ROWS];                                               \
+/* ROWS rows of x against PANELS adjacent panels (all full but the last, of which `cols` columns are
+ * kept): each broadcast of x feeds PANELS FMAs. One panel is bounded by the loads, not the FMA units;
+ * two or four panels per broadcast (MR and MR4 rows) keep the FMA units busy. ROWS and PANELS are
+ * constants in each copy, so the loops unroll and the accumulators stay in registers; the arithmetic per
+ * element is the same in every copy (and in the AVX2 tile below). */
+#define DEFINE_TILE_P(NAME, PANELS, ROWS)                                                                \
+static void NAME##_##ROWS(const float *x, int64_t ldx, const float *panel, int k, float *y, int64_t ldy, \
+                          int cols, const float *bias) {                                                 \
+    __m512 acc[PANELS][ROWS];                                                                            \
     const int64_t step = (int64_t)k * NR;                                                                \
-    for (int i = 0; i < (ROWS); i++) {                                                                   \
-        acc0[i] = _mm512_setzero_ps(); acc1[i] = _mm512_setzero_ps();                                    \
-        acc2[i] = _mm512_setzero_ps(); acc3[i] = _mm512_setzero_ps();                                    \
-    }                                                                                                    \
+    for (int j = 0; j < (PANELS); j++)                                                                   \
+        for (int i = 0; i < (ROWS); i++) acc[j][i] = _mm512_setzero_ps();                                \
     for (int kk = 0; kk < k; kk++) {                                                                     \
-        const float *b = panel + (int64_t)kk * NR;                                                       \
-        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + step);                            \
-        const __m512 b2 = _mm512_loadu_ps(b + 2 * step), b3 = _mm512_loadu_ps(b + 3 * step);              \
+        __m512 b[PANELS];                                                                                \
+        for (int j = 0; j < (PANELS); j++) b[j] = _mm512_loadu_ps(panel + j * step + (int64_t)kk * NR);  \
         for (int i = 0; i < (ROWS); i++) {                                                               \
             const __m512 a = _mm512_set1_ps(x[i * ldx + kk]);                                            \
-            acc0[i] = _mm512_fmadd_ps(a, b0, acc0[i]);                                                   \
-            acc1[i] = _mm512_fmadd_ps(a, b1, acc1[i]);                                                   \
-            acc2[i] = _mm512_fmadd_ps(a, b2, acc2[i]);                                                   \
-            acc3[i] = _mm512_fmadd_ps(a, b3, acc3[i]);                                                   \
+            for (int j = 0; j < (PANELS); j++) acc[j][i] = _mm512_fmadd_ps(a, b[j], acc[j][i]);          \
         }                                                                                                \
     }                                                                                                    \
     for (int i = 0; i < (ROWS); i++) {                                                                   \
-        float row[4 * NR];                                                                               \
-        _mm512_storeu_ps(row, acc0[i]);                                                                  \
-        _mm512_storeu_ps(row + NR, acc1[i]);                                                             \
-        _mm512_storeu_ps(row + 2 * NR, acc2[i]);                                                         \
-        _mm512_storeu_ps(row + 3 * NR, acc3[i]);                                                         \
-        write_row(y + i * ldy, row, bias, 3 * NR + cols);                                                \
+        float row[(PANELS) * NR];                                                                        \
+        for (int j = 0; j < (PANELS); j++) _mm512_storeu_ps(row + j * NR, acc[j][i]);                   \
+        write_row(y + i * ldy, row, bias, ((PANELS) - 1) * NR + cols);                                   \
     }                                                                                                    \
 }
+#define DEFINE_TILE(ROWS) DEFINE_TILE_P(tile, 1, ROWS)
+#define DEFINE_TILE2(ROWS) DEFINE_TILE_P(tile2, 2, ROWS)
+#define DEFINE_TILE4(ROWS) DEFINE_TILE_P(tile4, 4, ROWS)
 #else
 /* ROWS (<= MR) rows of x against one panel. ROWS is a constant in each copy, so the loops unroll and
  * the accumulators stay in registers; the arithmetic per element is the same in every copy. */
