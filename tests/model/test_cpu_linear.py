@@ -337,3 +337,22 @@ print((y == 7.0).all().item(), flush=True)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.split() == ["True"], (result.returncode, result.stderr[-2000:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 13, 64, 131])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_tiles_write_only_their_columns(m, bias):
+    """The tiles store straight from their registers (masked on the last, partial panel): every column
+    past n of a row of y, and every row past m, must keep what it held."""
+    lib = cpu_kernels._load()
+    gen = torch.Generator().manual_seed(5)
+    n, k, ldy = 200, 96, 232   # 12.5 panels: the last one has 8 columns; 32 spare columns a row
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    packed = cpu_kernels.pack_linear(w)
+    y = torch.full((m + 2, ldy), 7.0)
+    lib.pdserve_linear(x.data_ptr(), k, packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), ldy,
+                       m, n, k)
+    assert (y[:m, n:] == 7.0).all() and (y[m:] == 7.0).all()
+    torch.testing.assert_close(y[:m, :n], F.linear(x, w, b), rtol=1e-4, atol=1e-4)

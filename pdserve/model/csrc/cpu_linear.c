@@ -46,12 +46,6 @@
  * (benchmarks/cpu_gemm_ab.py, docs/benchmarks.md). */
 #define X_RESIDENT_BYTES (2 * 1024 * 1024)
 
-/* A tile row's `cols` results, plus the bias, into y. */
-static inline void write_row(float *y, float *row, const float *bias, int cols) {
-    if (bias)
-        for (int j = 0; j < cols; j++) row[j] += bias[j];
-    memcpy(y, row, sizeof(float) * cols);
-}
 
 void pdserve_pack_linear(const float *w, float *packed, int n, int k) {
     const int panels = (n + NR - 1) / NR;
@@ -86,11 +80,19 @@ static void NAME##_##ROWS(const float *x, int64_t ldx, const float *panel, int k
             for (int j = 0; j < (PANELS); j++) acc[j][i] = _mm512_fmadd_ps(a, b[j], acc[j][i]);          \
         }                                                                                                \
     }                                                                                                    \
-    for (int i = 0; i < (ROWS); i++) {                                                                   \
-        float row[(PANELS) * NR];                                                                        \
-        for (int j = 0; j < (PANELS); j++) _mm512_storeu_ps(row + j * NR, acc[j][i]);                   \
-        write_row(y + i * ldy, row, bias, ((PANELS) - 1) * NR + cols);                                   \
+    /* straight from the registers into y (a copy through the stack cost 4-7 % at 64 rows, up to 2 % at \
+     * 256 and 2,048: benchmarks/cpu_gemm_ab.py, gemm-direct-store-ab.json); the                        \
+     * last panel's columns past `cols` neither loaded nor stored */                                     \
+    __mmask16 keep[PANELS];                                                                              \
+    __m512 bv[PANELS];                                                                                   \
+    for (int j = 0; j < (PANELS); j++) {                                                                 \
+        keep[j] = j + 1 < (PANELS) ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);                  \
+        bv[j] = bias ? _mm512_maskz_loadu_ps(keep[j], bias + j * NR) : _mm512_setzero_ps();               \
     }                                                                                                    \
+    for (int i = 0; i < (ROWS); i++)                                                                     \
+        for (int j = 0; j < (PANELS); j++)                                                               \
+            _mm512_mask_storeu_ps(y + i * ldy + j * NR, keep[j],                                         \
+                                  bias ? _mm512_add_ps(acc[j][i], bv[j]) : acc[j][i]);                   \
 }
 #define DEFINE_TILE(ROWS) DEFINE_TILE_P(tile, 1, ROWS)
 #define DEFINE_TILE2(ROWS) DEFINE_TILE_P(tile2, 2, ROWS)
@@ -112,11 +114,21 @@ static void tile_##ROWS(const float *x, int64_t ldx, const float *panel, int k, 
             hi[i] = fma8(av, b1, hi[i]);                                                                 \
         }                                                                                                \
     }                                                                                                    \
+    if (bias) {   /* (the last panel's bias has only `cols` columns) */                                  \
+        float b[NR] = {0};                                                                               \
+        memcpy(b, bias, sizeof(float) * cols);                                                           \
+        for (int i = 0; i < (ROWS); i++) { lo[i] += load8(b); hi[i] += load8(b + 8); }                   \
+    }                                                                                                    \
     for (int i = 0; i < (ROWS); i++) {                                                                   \
-        float row[NR];                                                                                   \
-        store8(row, lo[i]);                                                                              \
-        store8(row + 8, hi[i]);                                                                          \
-        write_row(y + i * ldy, row, bias, cols);                                                         \
+        if (cols == NR) {                                                                                \
+            store8(y + i * ldy, lo[i]);                                                                  \
+            store8(y + i * ldy + 8, hi[i]);                                                              \
+        } else {                                                                                         \
+            float row[NR];                                                                               \
+            store8(row, lo[i]);                                                                          \
+            store8(row + 8, hi[i]);                                                                      \
+            memcpy(y + i * ldy, row, sizeof(float) * cols);                                              \
+        }                                                                                                \
     }                                                                                                    \
 }
 #endif
