@@ -146,21 +146,24 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(name):
 
 
 @needs_kernels
-def test_our_gemm_gives_the_same_bits_on_any_number_of_threads():
-    """The threads split the work by rows x panels; an element's sum must not depend on the split."""
+@pytest.mark.parametrize("m, n, k", [(256, 3072, 576), (131, 200, 96), (64, 576, 1536), (7, 40, 64)])
+def test_our_gemm_gives_the_same_bits_on_any_number_of_threads(m, n, k):
+    """The threads split the work by rows x panels, a task on the border between two threads' shares cut
+    by rows: an element's sum must not depend on the split, and every element must be written once."""
     gen = torch.Generator().manual_seed(2)
-    w = torch.randn(3072, 576, generator=gen)
+    w = torch.randn(n, k, generator=gen)
     packed = cpu_kernels.pack_linear(w)
-    x = torch.randn(256, 576, generator=gen)
+    x = torch.randn(m, k, generator=gen)
     threads = torch.get_num_threads()
     try:
         results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
             results.append(cpu_kernels.linear(x, packed, w, None))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    torch.testing.assert_close(results[0], F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 @needs_packed

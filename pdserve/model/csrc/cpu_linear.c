@@ -191,12 +191,23 @@ static void row_tiles(const tile_fn *tiles, int mr, const float *x, int64_t ldx,
     }
 }
 
+/* The row at which a task's units (rows r0..r_end x `panels` panels, the first at `before` in the
+ * linear order of units) are cut at unit `at`: the nearest multiple of mr rows after r0, r0 before the
+ * task and r_end past it. Both threads beside a cut compute it from the same numbers. */
+static inline int split_row(int64_t at, int64_t before, int64_t size, int panels, int mr, int r0, int r_end) {
+    if (at <= before) return r0;
+    if (at >= before + size) return r_end;
+    const int64_t unit = (int64_t)panels * mr;
+    const int64_t row = r0 + (at - before + unit / 2) / unit * mr;
+    return row < r_end ? (int)row : r_end;
+}
+
 /* y[i][0..n) = x[i][0..k) . W^T (+ bias) for i < m; x rows ldx floats apart, y rows ldy apart; packed
  * from pdserve_pack_linear(W, ., n, k). Work is cut into (row block, panel block) tasks, each sized for
  * a core's L2, and each of torch's OpenMP threads (cpu_kernels.py) takes a contiguous run of them (in
- * panel or row block order, X_RESIDENT_BYTES) holding an equal share of rows x panels, so that no thread
- * waits on another's extra block (a plain static split of 256 rows in blocks of 108, 108 and 40 gave one
- * thread 63 % of the work). */
+ * panel or row block order, X_RESIDENT_BYTES) holding an equal share of rows x panels, the task on the
+ * border between two shares cut by rows (a plain static split of 256 rows in blocks of 108, 108 and 40
+ * gave one thread 63 % of the work). */
 void pdserve_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int m, int n, int k) {
     if (m < 1 || n < 1 || k < 1) return;   /* nothing to do (and the block arithmetic below divides by m's) */
@@ -219,19 +230,30 @@ void pdserve_linear(const float *x, int64_t ldx, const float *packed, const floa
 #pragma omp parallel
     {
         const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
+        const int64_t lo = work * thread / threads, hi = work * (thread + 1) / threads;
         for (int64_t task = 0; task < (int64_t)row_blocks * panel_blocks; task++) {
             const int rb = panel_major ? (int)(task % row_blocks) : (int)(task / panel_blocks);
             const int pb = panel_major ? (int)(task / row_blocks) : (int)(task % panel_blocks);
             const int r0 = rb * rows_per_block;
-            const int r_end = r0 + rows_per_block < m ? r0 + rows_per_block : m;
+            const int r_end_block = r0 + rows_per_block < m ? r0 + rows_per_block : m;
             const int p0 = pb * panels_per_block;
             const int p_end = p0 + panels_per_block < panels ? p0 + panels_per_block : panels;
-            {   /* the task's middle, in units of rows x panels, says whose it is */
-                const int64_t before = panel_major ? (int64_t)p0 * m + (int64_t)(p_end - p0) * r0
-                                                   : (int64_t)r0 * panels + (int64_t)(r_end - r0) * p0;
-                const int64_t middle = 2 * before + (int64_t)(r_end - r0) * (p_end - p0);
-                if (middle * threads / (2 * work) != thread)
-                    continue;
+            /* Each thread takes the units (rows x panels, in task order) of [lo, hi): a task that straddles
+             * two threads' shares is cut between them by rows, at whole tiles, so that no thread waits on
+             * another's extra block (at 256 rows of the default model a task is 1-2 % of a GEMM). */
+            const int64_t before = panel_major ? (int64_t)p0 * m + (int64_t)(p_end - p0) * r0
+                                               : (int64_t)r0 * panels + (int64_t)(r_end_block - r0) * p0;
+            const int64_t size = (int64_t)(r_end_block - r0) * (p_end - p0);
+            if (before + size <= lo || before >= hi)
+                continue;
+#if defined(__AVX512F__)
+            const int mr = tile_panels == 4 ? MR4 : MR;
+#else
+            const int mr = MR;
+#endif
+            const int r_begin = split_row(lo, before, size, p_end - p0, mr, r0, r_end_block);
+            const int r_end = split_row(hi, before, size, p_end - p0, mr, r0, r_end_block);
+            if (r_begin < r_end) {
                 for (int p = p0, used; p < p_end; p += used) {
                     const float *panel = packed + (int64_t)p * k * NR;
                     float *out = y + (int64_t)p * NR;
@@ -240,13 +262,13 @@ void pdserve_linear(const float *x, int64_t ldx, const float *packed, const floa
                     used = tile_panels == 4 && p + 3 < p_end ? 4 : p + 1 < p_end ? 2 : 1;
                     /* the last panel of the tile may be the last, partial one */
                     const int cols = n - (p + used - 1) * NR < NR ? n - (p + used - 1) * NR : NR;
-                    if (used == 4) row_tiles(TILES4, MR4, x, ldx, panel, k, out, ldy, cols, b, r0, r_end);
-                    else if (used == 2) row_tiles(TILES2, MR, x, ldx, panel, k, out, ldy, cols, b, r0, r_end);
-                    else row_tiles(TILES, MR, x, ldx, panel, k, out, ldy, cols, b, r0, r_end);
+                    if (used == 4) row_tiles(TILES4, MR4, x, ldx, panel, k, out, ldy, cols, b, r_begin, r_end);
+                    else if (used == 2) row_tiles(TILES2, MR, x, ldx, panel, k, out, ldy, cols, b, r_begin, r_end);
+                    else row_tiles(TILES, MR, x, ldx, panel, k, out, ldy, cols, b, r_begin, r_end);
 #else
                     used = 1;
                     const int cols = n - p * NR < NR ? n - p * NR : NR;
-                    row_tiles(TILES, MR, x, ldx, panel, k, out, ldy, cols, b, r0, r_end);
+                    row_tiles(TILES, MR, x, ldx, panel, k, out, ldy, cols, b, r_begin, r_end);
 #endif
                 }
             }
