@@ -4,6 +4,9 @@
  * order, whatever the number of rows M and wherever the element falls in a tile. So a row's numbers do
  * not depend on the batch it shares (P/D output equals colocated output), and one kernel serves M = 1
  * (decode of one stream, bound by reading W) as well as M = 2,048 (prefill, bound by the FMA units).
+ * (A NaN result stays NaN, but which NaN, its payload and sign, may change with the tile: x86 returns
+ * the first operand's NaN, and the compiler orders the operands of the FMAs and of the bias add
+ * differently in different tile copies and builds. Every other value is the same to the bit.)
  * Measured on the 2-core AMD EPYC against oneDNN's packed weights (benchmarks/cpu_gemm_shapes.py,
  * docs/benchmarks.md): 1.1-1.4x at one row, where oneDNN read W at well under the memory's bandwidth,
  * 1.0-1.3x at 64 rows, 0.99-1.1x at 2,048, over the default model's shapes.
