@@ -49,7 +49,6 @@
  * (benchmarks/cpu_gemm_ab.py, docs/benchmarks.md). */
 #define X_RESIDENT_BYTES (2 * 1024 * 1024)
 
-
 void pdserve_pack_linear(const float *w, float *packed, int n, int k) {
     const int panels = (n + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
