@@ -35,6 +35,7 @@
 #define QUAD_MIN_ROWS 128
 #else
 #define MR 6
+#define MR4 MR   /* (no four-panel tiles without AVX-512) */
 #define PANELS_PER_TILE 1
 #endif
 /* Bytes of x rows and of W panels that one task works on, sized for a core's L2 (512 KiB on the EPYC,
@@ -248,11 +249,7 @@ void pdserve_linear(const float *x, int64_t ldx, const float *packed, const floa
             const int64_t size = (int64_t)(r_end_block - r0) * (p_end - p0);
             if (before + size <= lo || before >= hi)
                 continue;
-#if defined(__AVX512F__)
             const int mr = tile_panels == 4 ? MR4 : MR;
-#else
-            const int mr = MR;
-#endif
             const int r_begin = split_row(lo, before, size, p_end - p0, mr, r0, r_end_block);
             const int r_end = split_row(hi, before, size, p_end - p0, mr, r0, r_end_block);
             if (r_begin < r_end) {
