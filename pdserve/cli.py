@@ -11,6 +11,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 
 from pdserve.config import (API_KEY_ENV, LOOPBACK_HOSTS, ROUTER_KEY_ENV, CacheConfig, EngineConfig,
                             KVTransferConfig, KV_ROLES, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
@@ -332,8 +333,12 @@ async def _serve(config: EngineConfig, host: str, port: int, server_config: Serv
     # Stop taking connections, let the requests in flight finish, then end the rest with an error that
     # reaches their clients (aiohttp's own cleanup would cut a stream mid-way after a minute, silently,
     # and an engine that cannot step, a tensor-parallel rank stopped, say, never lets them finish).
-    for sig in (signal.SIGINT, signal.SIGTERM):   # a second one stops at once, without the drain
-        loop.add_signal_handler(sig, lambda: os._exit(1))
+    # A second one stops at once, without the drain; not one that comes within a second of the first:
+    # that is the same stop, sent to the whole process group or service (systemd sends SIGTERM to every
+    # process of a service at once, and a launcher may forward it too).
+    first_signal = time.monotonic()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: os._exit(1) if time.monotonic() - first_signal > 1.0 else None)
     for site in list(runner.sites):
         await site.stop()
     if not dead.done():

@@ -20,6 +20,7 @@ deployments in turn.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 import signal
@@ -99,8 +100,23 @@ def num_gpus() -> int:
         return 0
 
 
+PR_SET_PDEATHSIG = 1
+_LIBC = None
+
+
+def _child_setup() -> None:
+    """In each child, between fork and exec. Its own process group: a Ctrl-C at the terminal goes to the
+    launcher alone, which stops the children with one SIGTERM each, so they drain (had the terminal's SIGINT
+    reached them too, the launcher's SIGTERM would be their second signal: stop at once, streams cut).
+    SIGTERM when the launcher dies, however it dies (SIGKILL too), so no instance outlives it unattended."""
+    os.setpgid(0, 0)
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ChildProcesses:
-    """The children one launcher started; stop() ends each by its PID, newest first."""
+    """The children one launcher started; stop() ends each by its PID, newest first. Each child runs in
+    its own process group and gets SIGTERM if the launcher dies (_child_setup)."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -108,7 +124,12 @@ class ChildProcesses:
 
     def start(self, cmd: Sequence[str], *, name: str | None = None, env: Mapping[str, str] | None = None,
               stdout: IO | int | None = None, stderr: IO | int | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), stdout=stdout, stderr=stderr)
+        global _LIBC
+        if _LIBC is None and sys.platform.startswith("linux"):
+            # loaded here, before the fork: between fork and exec nothing may take a lock another thread held
+            _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+        proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), stdout=stdout, stderr=stderr,
+                                preexec_fn=_child_setup)
         self.procs.append(proc)
         self.names[proc.pid] = name or f"{' '.join(cmd[2:6])}..."  # the subcommand and its first flags
         return proc
@@ -311,6 +332,9 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
     children = ChildProcesses()
 
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Also when started with SIGINT ignored (`pdserve up &` from a script): `kill -INT` stops it as Ctrl-C
+    # does, as it stops `pdserve serve`.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     router_key = os.environ.get(ROUTER_KEY_ENV) or secrets.token_urlsafe(32)
     instance_env = {**os.environ, ROUTER_KEY_ENV: router_key, API_KEY_ENV: router_key}
     proxy_env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}

@@ -96,6 +96,11 @@ def _tp_ranks_of(pid: int) -> list[int]:
 
 
 def run_engine_process(config: EngineConfig, in_conn, out_conn) -> None:
+    # The server that started this process stops it (a message, or the pipe's end when the server dies).
+    # A Ctrl-C at the terminal, or a SIGTERM to the whole process group or service (systemd's default),
+    # reaches this process too: ending here would cut the requests the server is draining.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     try:
         from pdserve.engine.engine_core import EngineCore
@@ -511,8 +516,5 @@ class AsyncEngine:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            self.process.terminate()
+            self.process.kill()   # not SIGTERM: the engine process ignores it (run_engine_process)
             await asyncio.to_thread(self.process.join, 2)
-            if self.process.is_alive():
-                self.process.kill()
-                await asyncio.to_thread(self.process.join, 2)

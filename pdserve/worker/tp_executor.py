@@ -35,6 +35,7 @@ import datetime
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -427,6 +428,10 @@ class RankCalls:
 
 def main() -> None:
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    # The engine process stops the ranks; a Ctrl-C or a group-wide SIGTERM mid-step would leave them out of
+    # step for good (RankLost) while the server drains.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     conn = Connection(fd)
     try:

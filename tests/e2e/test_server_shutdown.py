@@ -11,6 +11,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from tests.e2e.cluster import serve
 
 
@@ -53,5 +55,31 @@ def test_sigterm_lets_a_short_request_finish_and_ends_a_long_stream_with_an_erro
         assert stream_ended < 3 + 10
         assert proc.proc.wait(timeout=30) == 0
         assert proc.health() == 0   # nothing listens any more
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_whole_process_group_drains_as_one_to_the_server_does(sig):
+    """Ctrl-C at a terminal sends SIGINT to every process of the foreground group, and systemd stops a
+    service with SIGTERM to all its processes at once: the engine process got it too and ended at once,
+    so a stream in flight was cut with "engine process exited" instead of draining (found by a new-user
+    check). The engine now leaves its stop to the server, and the server takes a signal that follows
+    the first within a second as the same stop."""
+    proc = serve("group-drain", "--drain-timeout", "3").wait_healthy()
+    try:
+        long = http.client.HTTPConnection("127.0.0.1", proc.port, timeout=120)
+        long.request("POST", "/v1/completions", json.dumps({
+            "model": "default", "prompt": "Tell me a very long story.", "max_tokens": 3000, "ignore_eos": True,
+            "temperature": 0, "stream": True}), {"Content-Type": "application/json"})
+        resp = long.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")
+        assert len(proc.pids()) > 1   # the engine process is there to be signalled
+        proc.signal(sig)   # the server and every descendant, as the terminal or systemd would
+        events = _events(resp)
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert errors and "shutting down" in errors[0]["error"]["message"], events[-3:]
+        assert proc.proc.wait(timeout=30) == 0
     finally:
         proc.stop()

@@ -1,0 +1,141 @@
+"""`pdserve up` stopped as users stop it: Ctrl-C at a terminal (SIGINT to the whole foreground process
+group), also when it was started with SIGINT ignored (`pdserve up &` from a script), and killed outright
+(its children must not outlive it). Found by a new-user check: the instances got the terminal's SIGINT
+too, so `up`'s SIGTERM was their second signal and cut the streams in flight without the drain; `up`
+started with SIGINT ignored ignored `kill -INT`; a killed `up` left its instances running."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.cluster import free_port
+from tests.e2e.test_server_shutdown import _events
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+                found += kids
+                todo += kids
+        except OSError:
+            pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"pdserve up exited with {proc.returncode}"
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the cluster did not become healthy")
+
+
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_ctrl_c_drains_the_cluster(tmp_path, sigint_ignored):
+    port = free_port()
+    log = open(tmp_path / "up.log", "w")
+    # Its own session, so that the test can signal its whole group as a terminal does; SIGINT ignored
+    # as a shell leaves it for a background job, or as it is at a terminal.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--host", "127.0.0.1", "--port", str(port), "--drain-timeout", "2",
+         "--kv-cache-memory", str(128 << 20)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None)
+    children: list[int] = []
+    try:
+        _wait_healthy(port, proc)
+        children = _descendants(proc.pid)
+        assert len(children) >= 3   # P, D, the router, and their engines
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": "default", "prompt": "Tell me a very long story.", "max_tokens": 3000, "ignore_eos": True,
+            "temperature": 0, "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")   # it is generating
+        os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the terminal signals the foreground group
+        events = _events(resp)
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert errors and "shutting down" in errors[0]["error"]["message"], events[-3:]
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for c in children if _alive(c)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for c in children:
+            if _alive(c):
+                os.kill(c, signal.SIGKILL)
+        log.close()
+
+
+CHILD = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], "w").write("term"), sys.exit(0)))
+open(sys.argv[1], "w").write("ready")
+time.sleep(60)
+"""
+
+LAUNCHER = """
+import sys, time
+from pdserve.cluster.local import ChildProcesses
+child = ChildProcesses().start([sys.executable, "-c", sys.argv[1], sys.argv[2]], name="child")
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_child_runs_in_its_own_group_and_gets_sigterm_when_its_launcher_is_killed(tmp_path):
+    marker = tmp_path / "term"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, CHILD, str(marker)], stdout=subprocess.PIPE,
+                                text=True)
+    child = None
+    try:
+        child = int(launcher.stdout.readline())
+        assert os.getpgid(child) == child != os.getpgid(launcher.pid)
+        deadline = time.monotonic() + 30
+        while not (marker.exists() and marker.read_text() == "ready") and time.monotonic() < deadline:
+            time.sleep(0.05)   # until the child's handler is set
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child)
+        assert marker.read_text() == "term"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
