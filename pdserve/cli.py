@@ -15,6 +15,7 @@ import time
 
 from pdserve.config import (API_KEY_ENV, LOOPBACK_HOSTS, ROUTER_KEY_ENV, CacheConfig, EngineConfig,
                             KVTransferConfig, KV_ROLES, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
+from pdserve.help_format import HelpFormatter
 
 DESCRIPTION = """pdserve: an LLM server with prefill/decode disaggregation and an OpenAI-compatible API.
 
@@ -100,8 +101,9 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_server_args(p: argparse.ArgumentParser, port: int = 8000) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface; then set an API or router key)")
+    p.add_argument("--port", type=int, default=port, help="port of the OpenAI-compatible API")
     add_key_arguments(p)
     g = p.add_argument_group("limits (admission control)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
@@ -139,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # No abbreviated flags: `pdserve up` reads some of an instance's flags (its tensor-parallel size) from
     # --prefill-args and the like, and must read them as `serve` does.
-    serve = sub.add_parser("serve", help="start one OpenAI-compatible instance", allow_abbrev=False,
+    serve = sub.add_parser("serve", formatter_class=HelpFormatter, help="start one OpenAI-compatible instance", allow_abbrev=False,
                            description="Start one instance: engine process + OpenAI-compatible HTTP server.")
     _add_server_args(serve)
     _add_model_args(serve)
@@ -148,12 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=serve_main)
 
     from pdserve.router.proxy import add_proxy_arguments, main_proxy
-    proxy = sub.add_parser("proxy", help="the P/D proxy (or a colocated round-robin balancer)",
+    proxy = sub.add_parser("proxy", formatter_class=HelpFormatter, help="the P/D proxy (or a colocated round-robin balancer)",
                            description="OpenAI-compatible proxy: prefill hop, then decode hop, streamed.")
     add_proxy_arguments(proxy)
     proxy.set_defaults(func=main_proxy)
 
-    up = sub.add_parser("up", help="start a local P/D cluster",
+    up = sub.add_parser("up", formatter_class=HelpFormatter, help="start a local P/D cluster",
                         description="Start prefill and decode instances and the proxy on this machine, "
                                     "wait until healthy, print the URL; Ctrl-C stops everything.")
     up.add_argument("--host", default="127.0.0.1", help="address of the proxy and every instance")
@@ -229,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--autoscale: seconds after a change before the next (default 30)")
     up.set_defaults(func=up_main)
 
-    scale = sub.add_parser("scale", help="resize the pools of a `pdserve up --ray` cluster",
+    scale = sub.add_parser("scale", formatter_class=HelpFormatter, help="resize the pools of a `pdserve up --ray` cluster",
                            description="Set the wanted size of each pool of a running `pdserve up --ray` "
                                        "cluster. New instances join the router once healthy; removed ones "
                                        "leave the router first, then finish their requests (--drain-timeout) "
@@ -245,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.set_defaults(func=scale_main)
 
     from pdserve.kv_store.server import add_arguments as add_kv_store_arguments
-    store = sub.add_parser("kv-store", help="a KV block pool shared by instances (--kv-connector store)",
+    store = sub.add_parser("kv-store", formatter_class=HelpFormatter, help="a KV block pool shared by instances (--kv-connector store)",
                            description="A pool of KV blocks keyed by the prefix cache's chained block hash, "
                                        "with LRU eviction: P instances insert their prompts' blocks, any "
                                        "instance loads the longest stored prefix of a prompt. Data moves "
@@ -257,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                             f"with it. Required on a non-loopback address")
     store.set_defaults(func=kv_store_main)
 
-    status = sub.add_parser("status", help="print a router's instances, their health and load",
+    status = sub.add_parser("status", formatter_class=HelpFormatter, help="print a router's instances, their health and load",
                             description="Ask a pdserve router (`pdserve up` or `pdserve proxy`) for GET /cluster "
                                         "and print its instances as a table.")
     status.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the router's URL")
@@ -268,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pdserve.planner.plan import DESCRIPTION as PLAN_DESCRIPTION, add_arguments as add_plan_arguments, plan_main
     plan = sub.add_parser("plan", help="size a P/D cluster for a workload, rate and SLO by simulation",
-                          description=PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                          description=PLAN_DESCRIPTION, formatter_class=HelpFormatter)
     add_plan_arguments(plan)
     plan.set_defaults(func=plan_main)
 
@@ -322,8 +324,9 @@ async def _serve(config: EngineConfig, host: str, port: int, server_config: Serv
     await engine.start()
     runner, bound = await start_server(engine, host, port, server_config)
     role = config.kv_transfer.kv_role if config.kv_transfer.kv_connector else "colocated"
-    logging.getLogger("pdserve").info("serving %s (%s, engine %s) on http://%s:%d/v1",
-                                      engine.served_model_name, role, engine.engine_id, host, bound)
+    engine_id = f", engine {engine.engine_id}" if engine.engine_id else ""
+    logging.getLogger("pdserve").info("serving %s (%s%s) on http://%s:%d/v1",
+                                      engine.served_model_name, role, engine_id, host, bound)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

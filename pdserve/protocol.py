@@ -9,8 +9,10 @@ down or slow every other stream:
   - no client-supplied chat template, and no chat_template_kwargs the server sets itself.
 A failure raises `ProtocolError(400, "<field>: <reason>", param="<field>")` naming the first failing
 field the OpenAI way (`messages[2].role`); the server turns it into an OpenAI-style error body.
-Unknown fields are ignored, so clients that send vendor extras (user, logit_bias, ...) keep working,
-and null means "not given". `kv_transfer_params` travels as an opaque dict with vLLM's field names
+Unknown fields are ignored, so clients that send vendor extras (user, metadata, ...) keep working,
+and null means "not given". OpenAI fields pdserve does not implement (n > 1, logprobs, echo, penalties,
+logit_bias, tools, a response_format other than text) are accepted at the value that asks for nothing and
+refused (400) otherwise, never silently ignored. `kv_transfer_params` travels as an opaque dict with vLLM's field names
 (see kv_transfer/base.py); the engine checks its contents.
 
 Pure Python and pydantic: no torch, no aiohttp, so the proxy and the benchmark client can import it anywhere.
@@ -144,6 +146,30 @@ def _refuse_logprobs(value: Any) -> Any:
     return value
 
 
+def _refuse_penalty(value: float) -> float:
+    if value != 0:
+        raise _invalid(f"penalties are not supported (only 0), got {value}")
+    return value
+
+
+def _refuse_logit_bias(value: Any) -> Any:
+    if value not in ({}, None):
+        raise _invalid("logit_bias is not supported (only {} or null)")
+    return value
+
+
+def _refuse_tools(value: Any) -> Any:
+    if value not in ([], None):
+        raise _invalid("tools (function calling) are not supported")
+    return value
+
+
+def _refuse_response_format(value: Any) -> Any:
+    if not (isinstance(value, dict) and value.get("type") == "text"):
+        raise _invalid('only {"type": "text"} is supported (no JSON mode or schema)')
+    return value
+
+
 def _refuse_echo(echo: bool) -> bool:
     if echo:
         raise _invalid("not supported")
@@ -227,7 +253,7 @@ Seed = _int(AfterValidator(_seed_in_range))
 StrictBool = Annotated[bool, Strict()]
 TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_INT32)]   # ids come from tokenizers: never 3.0
 OnlyOne = _int(AfterValidator(_must_be_one))
-Penalty = _number(ge=-2.0, le=2.0)   # OpenAI's range; validated, then ignored
+Penalty = Annotated[_number(ge=-2.0, le=2.0), AfterValidator(_refuse_penalty)]   # OpenAI's range; 0 only
 Stop = Annotated[list[str], PlainValidator(_stop)]
 Prompt = Annotated[str | list[int], PlainValidator(_prompt)]
 # Text, or text parts joined by newlines: the value is the str the chat template reads.
@@ -300,6 +326,11 @@ class _Request(BaseModel):
     top_logprobs: Annotated[Any, PlainValidator(_refuse_logprobs)] = None
     presence_penalty: Optional[Penalty] = None
     frequency_penalty: Optional[Penalty] = None
+    # Refused rather than ignored: an answer that silently skips a JSON mode, a bias or a tool call is
+    # worse than a 400 the client can act on.
+    logit_bias: Annotated[Any, PlainValidator(_refuse_logit_bias)] = None
+    tools: Annotated[Any, PlainValidator(_refuse_tools)] = None
+    response_format: Annotated[Any, PlainValidator(_refuse_response_format)] = None
 
     @classmethod
     def from_json(cls, data: Any) -> Self:
@@ -427,10 +458,14 @@ def usage_chunk(response_id: str, model: str, created: int, usage: dict[str, Any
             "created": created, "model": model, "choices": [], "usage": usage}
 
 
+def model_card(model: str, max_model_len: int, created: int | None = None) -> dict[str, Any]:
+    """GET /v1/models/{model}: the one model an instance serves."""
+    return {"id": model, "object": "model", "created": created or int(time.time()), "owned_by": "pdserve",
+            "root": model, "max_model_len": max_model_len}
+
+
 def models_response(model: str, max_model_len: int, created: int | None = None) -> dict[str, Any]:
-    return {"object": "list",
-            "data": [{"id": model, "object": "model", "created": created or int(time.time()),
-                      "owned_by": "pdserve", "root": model, "max_model_len": max_model_len}]}
+    return {"object": "list", "data": [model_card(model, max_model_len, created)]}
 
 
 # ----------------------------------------------------------------------------- SSE

@@ -15,19 +15,7 @@ from typing import Any
 from pdserve.bench.metrics import format_summary, format_sweep_summary, parse_rate
 from pdserve.bench.plots import plot_benchmark, plot_sweep, require_matplotlib
 from pdserve.bench.runner import BenchConfig, run_benchmark, run_sweep
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the examples' line breaks; appends a default that says something (not None or False)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default is None or action.default is False \
-                or action.default == argparse.SUPPRESS:
-            return text
-        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else "%(default)s"
-        return f"{text} (default: {default})"
-
+from pdserve.help_format import HelpFormatter
 
 SERVE_HELP = """\
 Benchmark an OpenAI-compatible endpoint (a pdserve instance, the P/D proxy, or vLLM).
@@ -182,12 +170,12 @@ def add_bench_subparsers(subparsers: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,compare}", required=True)
 
     serve = bench_sub.add_parser("serve", help="one workload at one request rate", description=SERVE_HELP,
-                                 formatter_class=_HelpFormatter)
+                                 formatter_class=HelpFormatter)
     _add_workload_args(serve, is_sweep=False)
     serve.set_defaults(func=serve_main)
 
     sweep = bench_sub.add_parser("sweep", help="one workload at several request rates", description=SWEEP_HELP,
-                                 formatter_class=_HelpFormatter)
+                                 formatter_class=HelpFormatter)
     _add_workload_args(sweep, is_sweep=True)
     sweep.set_defaults(func=sweep_main)
 

@@ -41,11 +41,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pdserve.bench.cli import _HelpFormatter, _add_workload_args, _positive_int, _write_json, config_from_args
+from pdserve.bench.cli import _add_workload_args, _positive_int, _write_json, config_from_args
 from pdserve.bench.metrics import format_rate, max_rate_meeting_slo, parse_rate
 from pdserve.bench.plots import plot_sweeps, require_matplotlib
 from pdserve.bench.runner import BenchConfig, run_benchmark, run_sweep
 from pdserve.cluster.local import ChildProcesses, split_cores
+from pdserve.help_format import HelpFormatter
 
 CONFIG_NAMES = ("colocated", "colocated-chunked", "disaggregated")
 KV_CONNECTORS = ("nixl", "nixl-push", "cuda_ipc")
@@ -534,7 +535,7 @@ def _config_list(text: str) -> tuple[str, ...]:
 
 def add_compare_parser(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("compare", help="colocated vs chunked vs disaggregated on equal devices",
-                             description=COMPARE_HELP, formatter_class=_HelpFormatter)
+                             description=COMPARE_HELP, formatter_class=HelpFormatter)
     g = p.add_argument_group("configurations")
     g.add_argument("--configs", type=_config_list, default=CONFIG_NAMES, metavar="NAME,...",
                    help=f"which to run, in this order (default: {','.join(CONFIG_NAMES)})")

@@ -259,6 +259,7 @@ class Scheduler:
                 break  # waiting requests never preempt running ones
             if looked_up:
                 self.kv.record_prefix_query(request.num_tokens, num_local)
+                request.num_prefix_hit_tokens = max(request.num_prefix_hit_tokens, num_local)
             self.waiting.popleft()
             request.num_computed_tokens = num_local
             request.num_cached_tokens = max(request.num_cached_tokens, num_local)
@@ -410,6 +411,9 @@ class Scheduler:
                 if params is not None and params.get("do_remote_prefill") and request.output_token_ids:
                     # P's sampled token goes with its KV: D starts from it (add_request above).
                     params["first_token_ids"] = request.output_token_ids[:1]
+                if params is not None and params.get("do_remote_prefill"):
+                    # what D reports as cached: P's prefix hits, not the KV P computed (Request)
+                    params["remote_cached_tokens"] = min(request.num_cached_tokens, request.num_prompt_tokens)
             if delay_free:
                 self.held_for_transfer[request.request_id] = request
             elif request.num_inflight_tokens:

@@ -365,7 +365,7 @@ class EngineCore:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             finish_reason=request.status.finish_reason if finished else None,
-            num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
+            num_cached_tokens=request.num_reported_cached_tokens,
             kv_transfer_params=params,
             error=error,
         )

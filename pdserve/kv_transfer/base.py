@@ -61,6 +61,7 @@ class KVTransferParams:
     # The token P sampled after the prompt: D emits it at once and computes from it, instead of
     # sampling it again from the prompt's last position (engine/engine_core.py add_request).
     first_token_ids: list[int] | None = None
+    remote_cached_tokens: int | None = None  # of the prompt, the tokens P found in its prefix cache
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "KVTransferParams | None":
@@ -87,6 +88,8 @@ class KVTransferParams:
         if params.first_token_ids is not None and (len(params.first_token_ids) != 1 or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in params.first_token_ids)):
             raise ValueError("kv_transfer_params: first_token_ids must be a list of one token id")
+        if params.remote_cached_tokens is not None and params.remote_cached_tokens < 0:
+            raise ValueError("kv_transfer_params: remote_cached_tokens must be >= 0")
         return params
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,7 +102,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "do_remote_decode": (bool,), "do_remote_prefill": (bool,), "remote_engine_id": (str,),
     "remote_request_id": (str,), "remote_block_ids": (list,), "remote_host": (str,), "remote_port": (int,),
     "remote_boot_id": (str,), "tp_size": (int,), "transfer_id": (str,), "num_remote_tokens": (int,),
-    "first_token_ids": (list,),
+    "first_token_ids": (list,), "remote_cached_tokens": (int,),
 }
 
 

@@ -56,7 +56,10 @@ class BackendError(Exception):
     def __init__(self, role: str, url: str, detail: str, status: int = 502, body: bytes | None = None,
                  content_type: str = "application/json", never_took_request: bool = False,
                  public_detail: str = "failed", retry_after: str | None = None) -> None:
-        super().__init__(f"{role} backend {url} failed: {detail}")
+        # a 4xx is the client's doing: the backend refused the request, it did not fail
+        refused = body is not None and retry_after is None and 400 <= status < 500 and status != 429
+        super().__init__(f"{role} backend {url} {'refused the request' if refused else 'failed'}: {detail}")
+        self.is_client_error = refused
         self.role, self.url, self.public_detail = role, url, public_detail
         self.status, self.body, self.content_type, self.retry_after = status, body, content_type, retry_after
         # connection error, timeout, 5xx, 503 at capacity; never the client's 4xx

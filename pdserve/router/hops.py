@@ -82,7 +82,7 @@ async def post(proxy: Proxy, role: str, inst: Instance, path: str, body: dict,
                                       f"router and the instances share one router key?)",
                            public_detail="refused the router", never_took_request=True)
     if resp.status < 500:  # the client's mistake: its own status and body
-        raise BackendError(role, url, f"HTTP {resp.status}", resp.status, data,
+        raise BackendError(role, url, f"HTTP {resp.status}: {error_message_of(data) or ''}", resp.status, data,
                            resp.headers.get("Content-Type", "application/json"), never_took_request=True)
     if resp.status == 503:  # at capacity: the client should back off as the backend says (another P first)
         retry_after = resp.headers.get("Retry-After", str(RETRY_AFTER_S))

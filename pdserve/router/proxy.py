@@ -45,7 +45,7 @@ Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions`:
    the kv_transfer_params, in the background, so P frees the blocks now instead of when its lease runs out.
    Not on a timeout or a client disconnect: D may be reading P's blocks then, and it releases or finishes
    the read itself once its connection closes.
-POST /tokenize and /detokenize, GET /v1/models go to an available decode (or colocated) instance as they are.
+POST /tokenize and /detokenize, GET /v1/models and /v1/models/{model} go to an available decode (or colocated) instance as they are.
 GET /cluster: every instance with its state, load and learned rates, and the routing counters (JSON).
 This module admits requests and serves the routes; hops.py runs steps 3-4 and 9, recovery.py steps 5-7,
 monitor.py keeps the instances' view, and errors.py words what a client learns of a failure.
@@ -299,6 +299,8 @@ class Proxy:
             level = logging.INFO if e.body is not None else logging.WARNING  # a 4xx is the client's doing
             logger.log(level, "request %s: %s", request_id, e)
             self.metrics.num_errors.inc()
+            if e.is_client_error:
+                self.metrics.num_client_errors.inc()
             return e.response(self.names)
         except asyncio.CancelledError:
             self.metrics.num_client_disconnects.inc()
@@ -385,7 +387,7 @@ class Proxy:
         return inst
 
     async def passthrough(self, request: web.Request) -> web.Response:
-        """GET /v1/models, POST /tokenize, /detokenize: asked of one available decode (or colocated) instance,
+        """GET /v1/models[/{model}], POST /tokenize, /detokenize: asked of one available decode (or colocated) instance,
         the next one when it cannot be reached."""
         if not self.is_authorized(request):
             return json_error("invalid or missing API key (Authorization: Bearer <key>)", 401)
@@ -556,7 +558,8 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
     for path, handler in (("/v1/completions", proxy.completions), ("/v1/chat/completions", proxy.completions),
                           ("/tokenize", proxy.passthrough), ("/detokenize", proxy.passthrough)):
         app.router.add_post(path, handler, expect_handler=expect_handler)
-    for path, handler in (("/v1/models", proxy.passthrough), ("/health", proxy.health),
+    for path, handler in (("/v1/models", proxy.passthrough), ("/v1/models/{model:.+}", proxy.passthrough),
+                          ("/health", proxy.health),
                           ("/cluster", proxy.cluster), ("/metrics", proxy.render_metrics)):
         app.router.add_get(path, handler, expect_handler=expect_handler)
     return app
@@ -594,8 +597,8 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocated", nargs="+", default=[], metavar="URL",
                         help="colocated instances (no KV connector): alone a load-balanced pool; beside P and D a "
                              "pool the router may send whole requests to")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address the router listens on")
+    parser.add_argument("--port", type=int, default=8000, help="port of the router's OpenAI-compatible API")
     parser.add_argument("--model", default=None,
                         help="the instances' model (as given to `pdserve serve --model`): the router loads its "
                              "tokenizer to match prompts against cached KV blocks (prefix-affinity, cost, "

@@ -232,6 +232,14 @@ class OpenAIServer:
         return web.json_response(protocol.models_response(self.engine.served_model_name,
                                                           self.engine.max_model_len))
 
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model} (the OpenAI clients' models.retrieve)."""
+        name = request.match_info["model"]
+        if name != self.engine.served_model_name:
+            return json_error(404, f"the model {name!r} does not exist; this server serves "
+                                   f"{self.engine.served_model_name!r}", "model")
+        return web.json_response(protocol.model_card(name, self.engine.max_model_len))
+
     async def health(self, request: web.Request) -> web.Response:
         """200 while the engine steps; 503 with the reason when its process died, it reported itself
         broken or degraded (steps keep failing), or it has been silent past its stall bound."""
@@ -610,7 +618,7 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> web.Applicatio
                           ("/tokenize", server.tokenize), ("/detokenize", server.detokenize),
                           ("/v1/kv/release", server.release_kv)):
         app.router.add_post(path, handler, expect_handler=expect_handler)
-    for path, handler in (("/v1/models", server.models), ("/health", server.health),
+    for path, handler in (("/v1/models", server.models), ("/v1/models/{model:.+}", server.model), ("/health", server.health),
                           ("/metrics", server.metrics_text), ("/v1/load", server.load)):
         app.router.add_get(path, handler, expect_handler=expect_handler)
 

@@ -135,8 +135,8 @@ def test_bench_imports_only_leaf_modules():
                          cwd=Path(__file__).resolve().parents[2]).stdout
     loaded = eval(out)
     assert "torch" not in loaded
-    assert all(m == "pdserve" or m.startswith(("pdserve.bench", "pdserve.config", "pdserve.protocol"))
-               for m in loaded), loaded
+    assert all(m == "pdserve" or m.startswith(("pdserve.bench", "pdserve.config", "pdserve.protocol",
+                                               "pdserve.help_format")) for m in loaded), loaded
 
 
 def _has_matplotlib():

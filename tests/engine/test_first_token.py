@@ -128,10 +128,30 @@ def test_identity_to_colocated(model, sp, plen, async_d):
         d.add_request("r", prompt, SamplingParams(max_tokens=12, **sp), kv)
         got = drain(d, until=["r"])["r"]
         assert (got["ids"], got["text"], got["fin"]) == (want["ids"], want["text"], want["fin"])
-        assert got["usage"][:2] == want["usage"][:2]
+        assert got["usage"] == want["usage"]   # cached tokens too: P's KV is not cached (it was 0 vs the prompt)
         for _ in range(5):
             p.step(); d.step()
         assert held(d)[:3] == (0, 0, 0) and held(p)[:3] == (0, 0, 0), (held(d), held(p))
+    finally:
+        p.connector_worker.shutdown(), d.connector_worker.shutdown()
+
+
+def test_cached_tokens_through_p_and_d_are_what_colocated_reports(model):
+    """usage.prompt_tokens_details.cached_tokens counted the KV D read from P as cached: every prompt
+    through the cluster reported all of itself cached (a new-user check). It is P's prefix hits now (and
+    D's own), as a colocated instance reports its hits."""
+    prompt = PROMPT * 3   # 51 tokens: three whole 16-token blocks can be hit the second time
+    colo = core(model)
+    p, d = core(model, "producer"), core(model, "consumer")
+    try:
+        sp = SamplingParams(max_tokens=4, temperature=0)
+        for rid in ("first", "again"):
+            colo.add_request(rid, prompt, sp)
+            want = drain(colo)[rid]
+            d.add_request(rid, prompt, sp, prefill(p, rid, prompt, sp))
+            got = drain(d, until=[rid])[rid]
+            assert got["usage"] == want["usage"], rid
+        assert want["usage"][2] == 48 > 0   # the second time, hits on both sides
     finally:
         p.connector_worker.shutdown(), d.connector_worker.shutdown()
 

@@ -209,6 +209,7 @@ class FakeBackend:
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/load", self.load_report)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/v1/kv/release", self.release)
         return app

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import socket
 import time
@@ -243,6 +244,21 @@ def test_colocated_mode_round_robins_the_body_as_is(harness):
     assert all("kv_transfer_params" not in r.body and r.body["max_tokens"] == 16 for r in a.received + b.received)
 
 
+def test_a_ps_400_is_the_clients_error_not_a_backend_failure(harness, caplog):
+    """A prompt P refuses (too long, an unknown model) was logged as "prefill backend ... failed" (a new-user
+    check): it is passed through, counted as a client error, and logged as the request refused."""
+    p, d = harness.backend("prefill", "http400"), harness.backend("decode")
+    url = harness.proxy([p], [d])
+    with caplog.at_level(logging.INFO, logger="pdserve.router.proxy"):
+        status, _, _ = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert status == 400 and d.received == []
+    m = metrics(url)
+    assert m["pdserve:proxy_request_errors_total"] == m["pdserve:proxy_client_errors_total"] == 1
+    assert m["pdserve:proxy_prefill_retries_total"] == 0
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "refused the request: HTTP 400" in logged and "failed" not in logged
+
+
 def test_metrics_count_requests_and_errors(harness):
     p, d = harness.backend("prefill"), harness.backend("decode")
     # Never ejected: each request meets the dead P in turn (the monitor would otherwise route around it
@@ -256,6 +272,7 @@ def test_metrics_count_requests_and_errors(harness):
     m = metrics(url)
     assert m["pdserve:proxy_requests_total"] == 4
     assert m["pdserve:proxy_request_errors_total"] == 2     # D's 500 and the proxy's own 400
+    assert m["pdserve:proxy_client_errors_total"] == 0      # (an instance's 4xx only)
     assert m["pdserve:proxy_prefill_retries_total"] == 2    # requests 2 and 3 met the dead P first
     assert m["pdserve:proxy_requests_in_flight"] == 0
     assert m["pdserve:proxy_time_to_first_token_seconds_count"] == 2
@@ -294,6 +311,8 @@ def test_health_reports_each_backend_and_models_come_from_the_first_decode(harne
     assert all(b["healthy"] for b in health["backends"]["decode"])
     assert [m.id for m in client(url).models.list()] == [MODEL]
     assert [r.path for r in d1.received] == ["/v1/models"] and d2.received == []
+    client(url).models.retrieve("org/model")   # a name with a slash, as a hub's, reaches the instance whole
+    assert "/v1/models/org/model" in [r.path for r in d1.received + d2.received]
 
 
 def test_one_client_session_per_app(harness):

@@ -176,6 +176,24 @@ def test_kv_transfer_params_pass_through():
     assert resp.model_extra["kv_transfer_params"] == out_params
 
 
+def test_a_model_is_retrieved_by_its_name_and_an_unknown_one_is_a_404():
+    """client.models.retrieve(...) (GET /v1/models/{model}) was a 404 for the served model too (a new-user check)."""
+    engine = tiny_engine()
+
+    async def main():
+        async with openai_client(engine) as client:
+            card = await client.models.retrieve("fake-model")
+            try:
+                await client.models.retrieve("gpt-4")
+            except openai.NotFoundError as e:
+                return card, e.body
+        raise AssertionError("an unknown model was found")
+
+    card, error = run(main())
+    assert (card.id, card.object, card.owned_by) == ("fake-model", "model", "pdserve")
+    assert "'gpt-4' does not exist" in error["message"] and error["param"] == "model"
+
+
 def test_models_health_and_metrics():
     engine = tiny_engine(extra_stats={"num_requests_waiting_for_remote_kvs": 1, "kv_transfer_failures_total": 2})
 

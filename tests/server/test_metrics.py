@@ -12,6 +12,7 @@ SERVER_NAMES = {  # exposed name → type, as the hand-written renderer had them
     "pdserve:inter_token_latency_seconds": "histogram", "pdserve:e2e_request_latency_seconds": "histogram"}
 PROXY_NAMES = {
     "pdserve:proxy_requests_total": "counter", "pdserve:proxy_request_errors_total": "counter",
+    "pdserve:proxy_client_errors_total": "counter",
     "pdserve:proxy_client_disconnects_total": "counter", "pdserve:proxy_prefill_retries_total": "counter",
     "pdserve:proxy_requests_in_flight": "gauge", "pdserve:proxy_time_to_first_token_seconds": "histogram",
     "pdserve:proxy_requests_queued": "gauge",

@@ -155,15 +155,19 @@ def _kwargs(n):
     (completion(prompt=[0]), completion(prompt=[-1]), "prompt"),
     (completion(stop_token_ids=[0, MAX_INT32]), completion(stop_token_ids=[0, MAX_INT32 + 1]), "stop_token_ids[1]"),
     (completion(stop_token_ids=[0]), completion(stop_token_ids=[-1]), "stop_token_ids[0]"),
-    (completion(presence_penalty=-2), completion(presence_penalty=-2.01), "presence_penalty"),
-    (completion(presence_penalty=2), completion(presence_penalty=2.01), "presence_penalty"),
-    (completion(frequency_penalty=-2), completion(frequency_penalty=-2.01), "frequency_penalty"),
-    (completion(frequency_penalty=2), completion(frequency_penalty=2.01), "frequency_penalty"),
+    (completion(presence_penalty=0), completion(presence_penalty=-2.01), "presence_penalty"),
+    (completion(frequency_penalty=0.0), completion(frequency_penalty=2.01), "frequency_penalty"),
     (completion(n=1), completion(n=2), "n"),
     (completion(best_of=1), completion(best_of=2), "best_of"),
     (completion(logprobs=0), completion(logprobs=1), "logprobs"),
     (chat(logprobs=False), chat(logprobs=True), "logprobs"),
     (chat(top_logprobs=0), chat(top_logprobs=1), "top_logprobs"),
+    # not implemented, so refused unless neutral: they were validated, then silently ignored (a new-user check)
+    (completion(presence_penalty=0), completion(presence_penalty=0.5), "presence_penalty"),
+    (chat(frequency_penalty=0), chat(frequency_penalty=-1), "frequency_penalty"),
+    (chat(logit_bias={}), chat(logit_bias={"1": 5}), "logit_bias"),
+    (chat(tools=[]), chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat(response_format={"type": "text"}), chat(response_format={"type": "json_object"}), "response_format"),
     # size caps
     (completion(stop=["s"] * 32), completion(stop=["s"] * 33), "stop"),
     (completion(stop="s" * 1024), completion(stop="s" * 1025), "stop"),
@@ -245,7 +249,7 @@ def test_template_kwargs_the_server_sets_are_refused(key):
 def test_clients_extras_and_nulls_are_accepted():
     req = ChatCompletionRequest.from_json(chat(
         [USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}], "name": None}],
-        user="u", logit_bias={"1": 5}, response_format={"type": "text"}, presence_penalty=0.5,
+        user="u", logit_bias={}, response_format={"type": "text"}, presence_penalty=0, tools=None, metadata={"a": 1},
         temperature=None, stop=None, seed=None, max_tokens=None, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True},
         chat_template_kwargs={"enable_thinking": False}))
