@@ -1,0 +1,29 @@
+"""Every command's --help says what each flag defaults to (a new-user check: `up`'s --port and its pool
+sizes, `proxy`'s --timeout and `serve`'s queue and block size did not, and --host/--port had no text)."""
+import contextlib
+import io
+
+import pytest
+
+from pdserve import cli
+
+
+def help_text(command: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    return " ".join(out.getvalue().split())   # argparse wraps lines
+
+
+@pytest.mark.parametrize("command, shown", [
+    ("up", ["--port PORT the router's port; instances take the next ones (on Ray: free ports of their nodes) "
+            "(default: 8000)", "(default: 1)"]),
+    ("proxy", ["port of the router's OpenAI-compatible API (default: 8000)", "(default: 600"]),
+    ("serve", ["port of the OpenAI-compatible API (default: 8000)", "tokens per KV block (default: 16)",
+               "address to listen on"]),
+])
+def test_help_shows_defaults(command, shown):
+    text = help_text(command)
+    for piece in shown:
+        assert piece in text, piece
+    assert "(default: None)" not in text and "(default: False)" not in text
