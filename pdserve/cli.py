@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -137,11 +138,13 @@ def add_key_arguments(p: argparse.ArgumentParser, *, router_key: bool = True) ->
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    # every subcommand's --help shows its flags' defaults (HelpFormatter), unless it picks its own layout
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter))
 
     # No abbreviated flags: `pdserve up` reads some of an instance's flags (its tensor-parallel size) from
     # --prefill-args and the like, and must read them as `serve` does.
-    serve = sub.add_parser("serve", formatter_class=HelpFormatter, help="start one OpenAI-compatible instance", allow_abbrev=False,
+    serve = sub.add_parser("serve", help="start one OpenAI-compatible instance", allow_abbrev=False,
                            description="Start one instance: engine process + OpenAI-compatible HTTP server.")
     _add_server_args(serve)
     _add_model_args(serve)
@@ -150,12 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=serve_main)
 
     from pdserve.router.proxy import add_proxy_arguments, main_proxy
-    proxy = sub.add_parser("proxy", formatter_class=HelpFormatter, help="the P/D proxy (or a colocated round-robin balancer)",
+    proxy = sub.add_parser("proxy", help="the P/D proxy (or a colocated round-robin balancer)",
                            description="OpenAI-compatible proxy: prefill hop, then decode hop, streamed.")
     add_proxy_arguments(proxy)
     proxy.set_defaults(func=main_proxy)
 
-    up = sub.add_parser("up", formatter_class=HelpFormatter, help="start a local P/D cluster",
+    up = sub.add_parser("up", help="start a local P/D cluster",
                         description="Start prefill and decode instances and the proxy on this machine, "
                                     "wait until healthy, print the URL; Ctrl-C stops everything.")
     up.add_argument("--host", default="127.0.0.1", help="address of the proxy and every instance")
@@ -231,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--autoscale: seconds after a change before the next (default 30)")
     up.set_defaults(func=up_main)
 
-    scale = sub.add_parser("scale", formatter_class=HelpFormatter, help="resize the pools of a `pdserve up --ray` cluster",
+    scale = sub.add_parser("scale", help="resize the pools of a `pdserve up --ray` cluster",
                            description="Set the wanted size of each pool of a running `pdserve up --ray` "
                                        "cluster. New instances join the router once healthy; removed ones "
                                        "leave the router first, then finish their requests (--drain-timeout) "
@@ -246,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "at once (default 600)")
     scale.set_defaults(func=scale_main)
 
-    from pdserve.kv_store.server import add_arguments as add_kv_store_arguments
-    store = sub.add_parser("kv-store", formatter_class=HelpFormatter, help="a KV block pool shared by instances (--kv-connector store)",
+    from pdserve.kv_store.options import add_arguments as add_kv_store_arguments
+    store = sub.add_parser("kv-store", help="a KV block pool shared by instances (--kv-connector store)",
                            description="A pool of KV blocks keyed by the prefix cache's chained block hash, "
                                        "with LRU eviction: P instances insert their prompts' blocks, any "
                                        "instance loads the longest stored prefix of a prompt. Data moves "
@@ -259,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                             f"with it. Required on a non-loopback address")
     store.set_defaults(func=kv_store_main)
 
-    status = sub.add_parser("status", formatter_class=HelpFormatter, help="print a router's instances, their health and load",
+    status = sub.add_parser("status", help="print a router's instances, their health and load",
                             description="Ask a pdserve router (`pdserve up` or `pdserve proxy`) for GET /cluster "
                                         "and print its instances as a table.")
     status.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="the router's URL")

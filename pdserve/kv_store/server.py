@@ -44,14 +44,13 @@ from typing import Any
 import torch
 
 from pdserve.kv_store.index import MAX_SLOTS, StoreIndex
+from pdserve.kv_store.options import DEFAULT_INSERT_TTL_S, DEFAULT_LEASE_S
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.nixl import nixl_agent, nixl_agent_config
 
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LEASE_S = 30.0
-DEFAULT_INSERT_TTL_S = 90.0
 MAX_WAIT_PER_CALL_S = 0.25
 MAX_CONNECTIONS = 1024   # served at once: every instance's lookups and inserts meet here
 MAX_HASHES_PER_MESSAGE = 1 << 16   # 1M tokens of prompt at 16 tokens per block
@@ -252,18 +251,6 @@ class KVStoreServer:
         if self._reg_descs is not None:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address of the store's side channel")
-    p.add_argument("--port", type=int, default=8700, help="the side channel's port (0: a free one)")
-    p.add_argument("--capacity", default="1GiB",
-                   help="bytes of KV the pool holds (DRAM, allocated at the first client's handshake): "
-                        "e.g. 8GiB, 512MiB; least recently used blocks are evicted beyond it")
-    p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_S,
-                   help="a lookup's blocks stay pinned this long unless released (a crashed reader's pins go then)")
-    p.add_argument("--insert-ttl-seconds", type=float, default=DEFAULT_INSERT_TTL_S,
-                   help="slots given to a writer are reused this long after, if it never commits")
 
 
 def main(args: argparse.Namespace, auth_key: str | None = None) -> int:

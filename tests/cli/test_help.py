@@ -27,3 +27,14 @@ def test_help_shows_defaults(command, shown):
     for piece in shown:
         assert piece in text, piece
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_the_top_level_help_loads_no_torch():
+    """`pdserve --help` took 2.7 s: listing kv-store's flags imported the store's server, torch and NIXL."""
+    import subprocess
+    import sys
+    code = ("import contextlib, io, sys\nfrom pdserve import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "    cli.main(['--help'])\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.strip() == "False"

@@ -1,0 +1,20 @@
+"""`pdserve kv-store`'s flags and defaults, apart from the server so that `pdserve --help` does not load
+torch and NIXL to list them."""
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_LEASE_S = 30.0
+DEFAULT_INSERT_TTL_S = 90.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address of the store's side channel")
+    p.add_argument("--port", type=int, default=8700, help="the side channel's port (0: a free one)")
+    p.add_argument("--capacity", default="1GiB",
+                   help="bytes of KV the pool holds (DRAM, allocated at the first client's handshake): "
+                        "e.g. 8GiB, 512MiB; least recently used blocks are evicted beyond it")
+    p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_S,
+                   help="a lookup's blocks stay pinned this long unless released (a crashed reader's pins go then)")
+    p.add_argument("--insert-ttl-seconds", type=float, default=DEFAULT_INSERT_TTL_S,
+                   help="slots given to a writer are reused this long after, if it never commits")
