@@ -31,7 +31,7 @@ def _cell(value: Any) -> str:
 
 def format_cluster(cluster: dict[str, Any]) -> str:
     instances = cluster.get("instances", [])
-    rows = [[_cell(_field(inst, key)) for _, key in COLUMNS] for inst in instances]
+    rows = [[_cell(_field(inst, key)) + _unmeasured(inst, key) for _, key in COLUMNS] for inst in instances]
     widths = [max([len(title)] + [len(row[i]) for row in rows]) for i, (title, _) in enumerate(COLUMNS)]
     lines = [f"policy: {cluster.get('policy')}   mode: {cluster.get('mode')}   "
              f"requests in flight: {cluster.get('num_in_flight', 0)}",
@@ -40,10 +40,18 @@ def format_cluster(cluster: dict[str, Any]) -> str:
     for inst in instances:
         if inst.get("state") != "healthy" and inst.get("detail"):
             lines.append(f"{inst['name']}: {inst['detail']}")
+    if any(_unmeasured(inst, key) for inst in instances for _, key in COLUMNS):
+        lines.append("* the router's default: not measured on this instance yet")
     decisions = cluster.get("decisions") or {}
     if decisions:
         lines.append("decisions: " + ", ".join(f"{reason} {count}" for reason, count in sorted(decisions.items())))
     return "\n".join(lines)
+
+
+def _unmeasured(instance: dict[str, Any], key: str) -> str:
+    """"*" after a learned rate the router still takes at its default (a D that never prefilled, say)."""
+    measured = (instance.get("rates") or {}).get("measured")
+    return "*" if isinstance(measured, dict) and measured.get(key) is False else ""
 
 
 def _field(instance: dict[str, Any], key: str) -> Any:

@@ -17,7 +17,7 @@ from pdserve.hashing import hash_prompt_blocks
 from pdserve.router.monitor import StartupError
 from pdserve.router.policy import REASONS, RouterConfig
 from pdserve.router.proxy import PROXY_KEY
-from pdserve.router.status import format_cluster
+from pdserve.router.status import COLUMNS, format_cluster
 
 from .conftest import MODEL, NEVER_EJECT, PIECES, dead_url, post_raw
 
@@ -340,6 +340,11 @@ def test_cluster_lists_every_instance_by_name_and_needs_the_api_key(harness):
     assert "prefill-1: is unreachable" in lines and "decisions: " + ", ".join(
         f"{r} {1 if r == 'disaggregated' else 0}" for r in sorted(REASONS)) in lines
     assert "127.0.0.1" not in text
+    # decode-0 never prefilled: its prefill rate is the router's default, marked so (a new-user check: it
+    # read as a measured 4,000 tok/s)
+    assert not decode["rates"]["measured"]["prefill_tokens_per_s"]
+    assert rows[2][[title for title, _ in COLUMNS].index("prefill tok/s")].endswith("*")   # one cell a column
+    assert "* the router's default: not measured on this instance yet" in lines
 
 
 # --- 7. start-up checks ------------------------------------------------------------------------------------
