@@ -10,13 +10,12 @@ import json
 import logging
 import os
 import shlex
-import signal
 import sys
-import time
 
 from pdserve.config import (API_KEY_ENV, LOOPBACK_HOSTS, ROUTER_KEY_ENV, CacheConfig, EngineConfig,
                             KVTransferConfig, KV_ROLES, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
 from pdserve.help_format import HelpFormatter
+from pdserve.stop_signals import stop_handler, stop_signals
 
 DESCRIPTION = """pdserve: an LLM server with prefill/decode disaggregation and an OpenAI-compatible API.
 
@@ -332,19 +331,14 @@ async def _serve(config: EngineConfig, host: str, port: int, server_config: Serv
                                       engine.served_model_name, role, engine_id, host, bound)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    on_signal = stop_handler(stop.set)   # a second signal: at once, unless it is the same stop (stop_signals.py)
+    for sig in stop_signals():
+        loop.add_signal_handler(sig, on_signal)
     dead = asyncio.create_task(_watch_engine(engine))
     await asyncio.wait([asyncio.create_task(stop.wait()), dead], return_when=asyncio.FIRST_COMPLETED)
     # Stop taking connections, let the requests in flight finish, then end the rest with an error that
     # reaches their clients (aiohttp's own cleanup would cut a stream mid-way after a minute, silently,
     # and an engine that cannot step, a tensor-parallel rank stopped, say, never lets them finish).
-    # A second one stops at once, without the drain; not one that comes within a second of the first:
-    # that is the same stop, sent to the whole process group or service (systemd sends SIGTERM to every
-    # process of a service at once, and a launcher may forward it too).
-    first_signal = time.monotonic()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: os._exit(1) if time.monotonic() - first_signal > 1.0 else None)
     for site in list(runner.sites):
         await site.stop()
     if not dead.done():

@@ -27,11 +27,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from typing import IO, Mapping, Sequence
 
 from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV, TP_KV_CONNECTORS
+from pdserve.stop_signals import IGNORE_SIGINT_ENV, SAME_STOP_S
 
 HEALTH_TIMEOUT_S = 600
 GPU_MEMORY_FRACTION = 0.9   # of one GPU, for the instances `up` puts on it together (serve's default alone)
@@ -104,19 +106,22 @@ PR_SET_PDEATHSIG = 1
 _LIBC = None
 
 
-def _child_setup() -> None:
-    """In each child, between fork and exec. Its own process group: a Ctrl-C at the terminal goes to the
-    launcher alone, which stops the children with one SIGTERM each, so they drain (had the terminal's SIGINT
-    reached them too, the launcher's SIGTERM would be their second signal: stop at once, streams cut).
-    SIGTERM when the launcher dies, however it dies (SIGKILL too), so no instance outlives it unattended."""
-    os.setpgid(0, 0)
-    if _LIBC is not None:
+def _child_setup(parent_pid: int, die_with_parent: bool) -> None:
+    """In each child, between fork and exec. SIGINT ignored from the start (the child's server keeps it so,
+    IGNORE_SIGINT_ENV): a Ctrl-C at the terminal reaches the whole group, and the launcher stops each child
+    with one SIGTERM, so that they drain; had they taken the SIGINT, the launcher's SIGTERM would have been
+    their second signal, which stops at once. SIGTERM when the launcher dies, however it dies (SIGKILL too),
+    so no instance outlives it unattended."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if die_with_parent and _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:   # it died before the prctl: no signal will come
+            os._exit(1)
 
 
 class ChildProcesses:
-    """The children one launcher started; stop() ends each by its PID, newest first. Each child runs in
-    its own process group and gets SIGTERM if the launcher dies (_child_setup)."""
+    """The children one launcher started; stop() ends each by its PID, newest first. Each child ignores
+    SIGINT and gets SIGTERM if the launcher dies (_child_setup)."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -127,9 +132,13 @@ class ChildProcesses:
         global _LIBC
         if _LIBC is None and sys.platform.startswith("linux"):
             # loaded here, before the fork: between fork and exec nothing may take a lock another thread held
-            _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-        proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), stdout=stdout, stderr=stderr,
-                                preexec_fn=_child_setup)
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        # The parent-death signal follows the thread that forked, not the process: only the main thread's
+        # children get it (a worker thread that ends would take its children with it).
+        main = threading.current_thread() is threading.main_thread()
+        parent = os.getpid()
+        proc = subprocess.Popen(list(cmd), env={**(os.environ if env is None else env), IGNORE_SIGINT_ENV: "1"},
+                                stdout=stdout, stderr=stderr, preexec_fn=lambda: _child_setup(parent, main))
         self.procs.append(proc)
         self.names[proc.pid] = name or f"{' '.join(cmd[2:6])}..."  # the subcommand and its first flags
         return proc
@@ -160,16 +169,33 @@ class ChildProcesses:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to every child still running, newest first; SIGKILL to any still running after
-        `timeout` s of waiting for it."""
+        `timeout` s of waiting for it. A Ctrl-C or SIGTERM meanwhile (in the main thread) does not cut this
+        short, which would leave the children to the parent-death signal: within SAME_STOP_S of the start
+        it is the same stop, later it sends each child a second SIGTERM (stop at once, without the drain)."""
+        def again(*_: object) -> None:
+            if time.monotonic() - started > SAME_STOP_S:
+                self._signal_all(signal.SIGTERM)
+        started = time.monotonic()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, again) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._signal_all(signal.SIGTERM)
+            for p in reversed(self.procs):
+                try:
+                    p.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _signal_all(self, sig: int) -> None:
         for p in reversed(self.procs):
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(self.procs):
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(sig)
 
 
 ROLE_NAMES = {"producer": "prefill", "consumer": "decode", "colocated": "colocated"}
@@ -333,8 +359,9 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
 
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     # Also when started with SIGINT ignored (`pdserve up &` from a script): `kill -INT` stops it as Ctrl-C
-    # does, as it stops `pdserve serve`.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # does, as it stops `pdserve serve`; unless its own launcher stops it (stop_signals.py).
+    if os.environ.get(IGNORE_SIGINT_ENV) != "1":
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     router_key = os.environ.get(ROUTER_KEY_ENV) or secrets.token_urlsafe(32)
     instance_env = {**os.environ, ROUTER_KEY_ENV: router_key, API_KEY_ENV: router_key}
     proxy_env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
@@ -401,7 +428,9 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
         print(f"pdserve up: {e}", file=sys.stderr)
         return 1
     finally:
-        children.stop()
-        if lending_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lending_file)
+        try:
+            children.stop()
+        finally:
+            if lending_file is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lending_file)

@@ -27,6 +27,7 @@ silent for longer than stall_timeout_s (default 60 s: one CPU step of a long pre
 from __future__ import annotations
 
 import asyncio
+import atexit
 import glob
 import itertools
 import logging
@@ -93,6 +94,12 @@ def _tp_ranks_of(pid: int) -> list[int]:
             if b"pdserve.worker.tp_executor" in cmdline:
                 ranks.append(child)
     return ranks
+
+
+def _kill_at_exit(process: mp.process.BaseProcess) -> None:
+    if process.is_alive():
+        process.kill()
+        process.join(5)
 
 
 def run_engine_process(config: EngineConfig, in_conn, out_conn) -> None:
@@ -309,6 +316,10 @@ class AsyncEngine:
         self.process = ctx.Process(target=run_engine_process, args=(self.config, in_recv, out_send),
                                    daemon=True, name="pdserve-engine")
         self.process.start()
+        # The engine ignores SIGTERM (run_engine_process), and multiprocessing ends a daemon child at exit with
+        # SIGTERM and an unbounded join: a server that fails after this point (its port taken, Ctrl-C while
+        # the model loads) would never exit. Registered after multiprocessing's hook, so it runs first.
+        atexit.register(_kill_at_exit, self.process)
         in_recv.close()
         out_send.close()
         self.tokenizer = await asyncio.to_thread(load_tokenizer, path)

@@ -45,6 +45,7 @@ import torch
 
 from pdserve.kv_store.index import MAX_SLOTS, StoreIndex
 from pdserve.kv_store.options import DEFAULT_INSERT_TTL_S, DEFAULT_LEASE_S
+from pdserve.stop_signals import stop_signals
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.nixl import nixl_agent, nixl_agent_config
 
@@ -262,7 +263,7 @@ def main(args: argparse.Namespace, auth_key: str | None = None) -> int:
         print(f"pdserve kv-store: {e}")
         return 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in stop_signals():
         signal.signal(sig, lambda *_: stop.set())
     print(f"pdserve kv-store: listening on {server.host}:{server.port}, capacity {capacity} bytes", flush=True)
     try:

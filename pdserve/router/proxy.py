@@ -84,6 +84,7 @@ from pdserve.router.policy import (DEFAULT_COST_TOLERANCE, DEFAULT_DIRECT_PREFIL
                                    DEFAULT_MAX_HELD_FRACTION, DEFAULT_PD_MIN_PROMPT_TOKENS, POLICIES, Route, Router,
                                    RouterConfig, RouteRequest)
 from pdserve.router.recovery import final_hop
+from pdserve.stop_signals import stop_handler, stop_signals
 from pdserve.tokenization import apply_chat_template, tokenize
 
 logger = logging.getLogger(__name__)
@@ -565,6 +566,17 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
     return app
 
 
+async def _take_stop_signals(app: web.Application) -> None:
+    """aiohttp's own handlers take a second signal during the shutdown as an abort, which cut the streams
+    when systemd and `pdserve up` both sent SIGTERM: the same stop now (stop_signals.py)."""
+    def graceful_exit() -> None:
+        raise web.GracefulExit()   # a SystemExit: it leaves the loop, and run_app shuts the app down
+    loop = asyncio.get_running_loop()
+    on_signal = stop_handler(graceful_exit)
+    for sig in stop_signals():
+        loop.add_signal_handler(sig, on_signal)
+
+
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     """The routing flags `pdserve proxy` and `pdserve up` share."""
     g = parser.add_argument_group("routing (docs/router.md)")
@@ -668,8 +680,9 @@ def main_proxy(args: argparse.Namespace) -> int:
         return 2
     # handler_cancellation: a client disconnect cancels the handler, which closes the hop in progress.
     logger.info("event loop: %s", use_fast_event_loop())
+    app.on_startup.append(_take_stop_signals)
     try:
-        web.run_app(app, host=args.host, port=args.port, access_log=None, **runner_args())
+        web.run_app(app, host=args.host, port=args.port, access_log=None, handle_signals=False, **runner_args())
     except StartupError as e:
         print(f"pdserve proxy: {e}", file=sys.stderr)
         return 2

@@ -83,3 +83,24 @@ def test_a_signal_to_the_whole_process_group_drains_as_one_to_the_server_does(si
         assert proc.proc.wait(timeout=30) == 0
     finally:
         proc.stop()
+
+
+def test_a_server_that_fails_after_its_engine_started_exits():
+    """Its port taken: the server failed after the engine process started, and then waited for ever on
+    multiprocessing's exit hook (SIGTERM, which the engine ignores, then an unbounded join) (review)."""
+    import socket
+    import subprocess
+    import sys
+    from tests.e2e.cluster import INSTANCE_ARGS
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve", "serve", *INSTANCE_ARGS, "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert proc.wait(timeout=120) != 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -5,6 +5,7 @@ too, so `up`'s SIGTERM was their second signal and cut the streams in flight wit
 started with SIGINT ignored ignored `kill -INT`; a killed `up` left its instances running."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -57,17 +58,25 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 240) -> No
     raise AssertionError("the cluster did not become healthy")
 
 
-@pytest.mark.parametrize("sigint_ignored", [False, True])
-def test_ctrl_c_drains_the_cluster(tmp_path, sigint_ignored):
+def _lending_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pdserve-cores-")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "ctrl-c, started with SIGINT ignored", "ctrl-c twice",
+                                 "sigterm to every process"])
+def test_the_cluster_drains_however_it_is_stopped(tmp_path, how):
+    """Ctrl-C (SIGINT to the whole foreground group), also when `up` started with SIGINT ignored (as a
+    shell leaves a background job) and pressed twice 0.2 s apart; systemd's stop (SIGTERM to every
+    process of the service at once, the router included: aiohttp took the second as an abort)."""
     port = free_port()
     log = open(tmp_path / "up.log", "w")
-    # Its own session, so that the test can signal its whole group as a terminal does; SIGINT ignored
-    # as a shell leaves it for a background job, or as it is at a terminal.
+    lending_before = _lending_files()
+    # Its own session, so that the test can signal its whole group as a terminal does.
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "up", "--host", "127.0.0.1", "--port", str(port), "--drain-timeout", "2",
          "--kv-cache-memory", str(128 << 20)],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None)
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if "ignored" in how else None)
     children: list[int] = []
     try:
         _wait_healthy(port, proc)
@@ -80,7 +89,15 @@ def test_ctrl_c_drains_the_cluster(tmp_path, sigint_ignored):
         resp = conn.getresponse()
         assert resp.status == 200
         assert resp.readline().startswith(b"data: ")   # it is generating
-        os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the terminal signals the foreground group
+        if how == "sigterm to every process":
+            for pid in [proc.pid, *children]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the terminal signals the foreground group
+            if how == "ctrl-c twice":
+                time.sleep(0.2)
+                os.killpg(proc.pid, signal.SIGINT)
         events = _events(resp)
         errors = [e for e in events if isinstance(e, dict) and "error" in e]
         assert errors and "shutting down" in errors[0]["error"]["message"], events[-3:]
@@ -89,6 +106,7 @@ def test_ctrl_c_drains_the_cluster(tmp_path, sigint_ignored):
         while any(_alive(c) for c in children) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [c for c in children if _alive(c)]
+        assert _lending_files() <= lending_before
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -115,14 +133,20 @@ time.sleep(60)
 """
 
 
-def test_a_child_runs_in_its_own_group_and_gets_sigterm_when_its_launcher_is_killed(tmp_path):
+def _ignores_sigint(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
+def test_a_child_ignores_sigint_and_gets_sigterm_when_its_launcher_is_killed(tmp_path):
     marker = tmp_path / "term"
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, CHILD, str(marker)], stdout=subprocess.PIPE,
                                 text=True)
     child = None
     try:
         child = int(launcher.stdout.readline())
-        assert os.getpgid(child) == child != os.getpgid(launcher.pid)
+        assert _ignores_sigint(child) and os.getpgid(child) == os.getpgid(launcher.pid)   # job control intact
         deadline = time.monotonic() + 30
         while not (marker.exists() and marker.read_text() == "ready") and time.monotonic() < deadline:
             time.sleep(0.05)   # until the child's handler is set
