@@ -10,8 +10,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if ("default" in text or action.default is None or action.default is False
+        if ("default" in text.lower() or action.default in (None, False, "", [], ())
                 or action.default == argparse.SUPPRESS or action.option_strings == []):
             return text
-        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else "%(default)s"
+        default = (" ".join(map(str, action.default)) if isinstance(action.default, (list, tuple))
+                   else "%(default)s")
         return f"{text} (default: {default})" if text else f"default: {default}"

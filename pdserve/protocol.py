@@ -11,8 +11,9 @@ A failure raises `ProtocolError(400, "<field>: <reason>", param="<field>")` nami
 field the OpenAI way (`messages[2].role`); the server turns it into an OpenAI-style error body.
 Unknown fields are ignored, so clients that send vendor extras (user, metadata, ...) keep working,
 and null means "not given". OpenAI fields pdserve does not implement (n > 1, logprobs, echo, penalties,
-logit_bias, tools, a response_format other than text) are accepted at the value that asks for nothing and
-refused (400) otherwise, never silently ignored. `kv_transfer_params` travels as an opaque dict with vLLM's field names
+logit_bias, tools and functions, a response_format other than text; vLLM's repetition_penalty, min_p,
+min_tokens, guided decoding) are accepted at the value that asks for nothing and refused (400)
+otherwise, never silently ignored. `kv_transfer_params` travels as an opaque dict with vLLM's field names
 (see kv_transfer/base.py); the engine checks its contents.
 
 Pure Python and pydantic: no torch, no aiohttp, so the proxy and the benchmark client can import it anywhere.
@@ -162,6 +163,18 @@ def _refuse_tools(value: Any) -> Any:
     if value not in ([], None):
         raise _invalid("tools (function calling) are not supported")
     return value
+
+
+def _neutral_only(*neutral: Any, what: str = "") -> Any:
+    """A validator refusing any value but the neutral ones (compared with ==, and bools apart from 0/1)."""
+    only = f" (only {' or '.join(json.dumps(n) for n in neutral)})" if neutral else ""
+    message = f"{what} is not supported" if what else f"not supported{only}"
+
+    def check(value: Any) -> Any:
+        if not any(value == n and type(value) is not bool for n in neutral) and value is not None:
+            raise _invalid(message)
+        return value
+    return PlainValidator(check)
 
 
 def _refuse_response_format(value: Any) -> Any:
@@ -330,7 +343,19 @@ class _Request(BaseModel):
     # worse than a 400 the client can act on.
     logit_bias: Annotated[Any, PlainValidator(_refuse_logit_bias)] = None
     tools: Annotated[Any, PlainValidator(_refuse_tools)] = None
+    functions: Annotated[Any, PlainValidator(_refuse_tools)] = None   # the legacy form of tools
+    tool_choice: Annotated[Any, _neutral_only("none", "auto")] = None
+    function_call: Annotated[Any, _neutral_only("none", "auto")] = None
     response_format: Annotated[Any, PlainValidator(_refuse_response_format)] = None
+    # vLLM's extensions that change an answer: clients written for vLLM send them
+    repetition_penalty: Annotated[Any, _neutral_only(1)] = None
+    min_p: Annotated[Any, _neutral_only(0)] = None
+    min_tokens: Annotated[Any, _neutral_only(0)] = None
+    guided_json: Annotated[Any, _neutral_only(what="guided decoding")] = None
+    guided_regex: Annotated[Any, _neutral_only(what="guided decoding")] = None
+    guided_choice: Annotated[Any, _neutral_only(what="guided decoding")] = None
+    guided_grammar: Annotated[Any, _neutral_only(what="guided decoding")] = None
+    structured_outputs: Annotated[Any, _neutral_only(what="structured outputs")] = None
 
     @classmethod
     def from_json(cls, data: Any) -> Self:

@@ -51,11 +51,9 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.kv_transfer_params = kv_transfer_params
-        # A remote P computed this prompt: its prefix hits, the tokens reported as cached (the connector may
-        # drop kv_transfer_params once the KV is in: kept here)
-        remote = kv_transfer_params or {}
-        self.remote_prefill_cached_tokens: int | None = (
-            (remote.get("remote_cached_tokens") or 0) if remote.get("do_remote_prefill") else None)
+        # On a KV consumer whose prompt a remote P computed (set by the engine): P's prefix hits, what usage
+        # reports as cached (num_reported_cached_tokens)
+        self.remote_prefill_cached_tokens: int | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
         # Output tokens allowed: what was asked, capped by the room the model's length leaves.
@@ -71,7 +69,6 @@ class Request:
         self.num_inflight_tokens = 0
         self.num_inflight_samples = 0
         self.num_cached_tokens = 0        # prompt tokens not computed here (prefix cache or remote KV)
-        self.num_prefix_hit_tokens = 0    # of those, found in this instance's prefix cache
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # filled by the KV cache manager as blocks fill
         self.error: str | None = None
@@ -80,10 +77,12 @@ class Request:
     def num_reported_cached_tokens(self) -> int:
         """usage.prompt_tokens_details.cached_tokens: prompt tokens whose prefill this request was spared
         by a cache, as colocated serving reports them. KV a remote P computed for it is not cached (P
-        computed it for this request): P's own prefix hits, which P's kv_transfer_params carry, are, and
-        so are this instance's; a KV store's hits are (num_cached_tokens)."""
+        computed it for this request): P's own prefix hits are, which P's kv_transfer_params carry (none
+        known: 0). Not this instance's hits then: P computed the prompt all the same, and D, which takes
+        P's first token, may hit the prompt's last block, which a colocated instance recomputes. Otherwise
+        this instance's prefix and KV store hits (num_cached_tokens)."""
         if self.remote_prefill_cached_tokens is not None:
-            cached = max(self.num_prefix_hit_tokens, self.remote_prefill_cached_tokens)
+            cached = self.remote_prefill_cached_tokens
         else:
             cached = self.num_cached_tokens
         return min(cached, self.num_prompt_tokens)

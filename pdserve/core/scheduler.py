@@ -259,7 +259,6 @@ class Scheduler:
                 break  # waiting requests never preempt running ones
             if looked_up:
                 self.kv.record_prefix_query(request.num_tokens, num_local)
-                request.num_prefix_hit_tokens = max(request.num_prefix_hit_tokens, num_local)
             self.waiting.popleft()
             request.num_computed_tokens = num_local
             request.num_cached_tokens = max(request.num_cached_tokens, num_local)

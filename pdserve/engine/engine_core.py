@@ -198,6 +198,8 @@ class EngineCore:
                 raise ValueError(f"kv_transfer_params: first_token_ids must be in [0, {vocab_size})")
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                           self.max_model_len, kv_transfer_params, output_token_ids=resumed)
+        if parsed is not None and parsed.do_remote_prefill and self.is_kv_consumer:
+            request.remote_prefill_cached_tokens = parsed.remote_cached_tokens or 0
         if resumed and request.num_output_tokens >= request.max_tokens:
             raise ValueError(f"resume: {len(resumed)} tokens already generated, max_tokens is {request.max_tokens}")
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._decode)

@@ -56,9 +56,9 @@ class ProxyMetrics:
         self.num_requests = Counter(p + "requests_total", "Completion requests received.", registry=r)
         self.num_errors = Counter(p + "request_errors_total", "Requests answered with an error (or a mid-stream one), "
                                   "client errors included.", registry=r)
-        self.num_client_errors = Counter(p + "client_errors_total", "Requests an instance refused as the client's "
-                                         "error (HTTP 4xx but 429: a bad field, a prompt too long, an unknown model).",
-                                         registry=r)
+        self.num_client_errors = Counter(p + "client_errors_total", "Requests the router or an instance refused as "
+                                         "the client's error (HTTP 4xx but 429: a bad field or key, a prompt too "
+                                         "long, an unknown model).", registry=r)
         self.num_client_disconnects = Counter(p + "client_disconnects_total",
                                               "Clients gone before the answer ended.", registry=r)
         self.num_prefill_retries = Counter(p + "prefill_retries_total", "Requests routed again after their P failed.",

@@ -45,7 +45,8 @@ Lifecycle of one `POST /v1/completions` or `POST /v1/chat/completions`:
    the kv_transfer_params, in the background, so P frees the blocks now instead of when its lease runs out.
    Not on a timeout or a client disconnect: D may be reading P's blocks then, and it releases or finishes
    the read itself once its connection closes.
-POST /tokenize and /detokenize, GET /v1/models and /v1/models/{model} go to an available decode (or colocated) instance as they are.
+POST /tokenize and /detokenize, GET /v1/models go to an available decode (or colocated) instance as they are;
+GET /v1/models/{model} is answered from its /v1/models (a client's name never goes into a path the router sends).
 GET /cluster: every instance with its state, load and learned rates, and the routing counters (JSON).
 This module admits requests and serves the routes; hops.py runs steps 3-4 and 9, recovery.py steps 5-7,
 monitor.py keeps the instances' view, and errors.py words what a client learns of a failure.
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import contextlib
 import copy
 import logging
@@ -295,6 +297,8 @@ class Proxy:
             return await self.serve(request, req, body, headers, start)
         except ClientError as e:
             self.metrics.num_errors.inc()
+            if 400 <= e.status < 500 and e.status != 429:   # not the router's own 503 at capacity
+                self.metrics.num_client_errors.inc()
             return e.response()
         except BackendError as e:
             level = logging.INFO if e.body is not None else logging.WARNING  # a 4xx is the client's doing
@@ -387,9 +391,27 @@ class Proxy:
         self.next_passthrough += 1
         return inst
 
-    async def passthrough(self, request: web.Request) -> web.Response:
-        """GET /v1/models[/{model}], POST /tokenize, /detokenize: asked of one available decode (or colocated) instance,
-        the next one when it cannot be reached."""
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}, answered from an instance's GET /v1/models: the name is never put in a
+        path the router sends (decoded, "..%2F..%2Fv1%2Fload" reached an instance's router-only load report
+        with the router's key)."""
+        resp = await self.passthrough(request, path="/v1/models")
+        if resp.status != 200:
+            return resp
+        name = request.match_info["model"]
+        try:
+            cards = json.loads(resp.body)["data"]
+            card = next((c for c in cards if isinstance(c, dict) and c.get("id") == name), None)
+        except (ValueError, KeyError, TypeError):
+            return json_error("an instance answered GET /v1/models with no model list", 502, "backend_error")
+        if card is None:
+            return web.json_response(error_body(f"the model {name!r} does not exist", status=404, param="model"),
+                                     status=404)
+        return web.json_response(card)
+
+    async def passthrough(self, request: web.Request, path: str | None = None) -> web.Response:
+        """GET /v1/models, POST /tokenize, /detokenize (or `path`): asked of one available decode (or
+        colocated) instance, the next one when it cannot be reached."""
         if not self.is_authorized(request):
             return json_error("invalid or missing API key (Authorization: Bearer <key>)", 401)
         headers = self.backend_headers(request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}")
@@ -402,7 +424,7 @@ class Proxy:
             tried.add(inst.name)
             try:
                 payload = None if data is None else await encode_json(data)
-                async with self.session.request(request.method, inst.url + request.path, data=payload,
+                async with self.session.request(request.method, inst.url + (path or request.path), data=payload,
                                                 headers={**headers, "Content-Type": JSON},
                                                 timeout=aiohttp.ClientTimeout(total=60)) as resp:
                     if resp.status in (401, 403):
@@ -559,7 +581,7 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
     for path, handler in (("/v1/completions", proxy.completions), ("/v1/chat/completions", proxy.completions),
                           ("/tokenize", proxy.passthrough), ("/detokenize", proxy.passthrough)):
         app.router.add_post(path, handler, expect_handler=expect_handler)
-    for path, handler in (("/v1/models", proxy.passthrough), ("/v1/models/{model:.+}", proxy.passthrough),
+    for path, handler in (("/v1/models", proxy.passthrough), ("/v1/models/{model:.+}", proxy.model),
                           ("/health", proxy.health),
                           ("/cluster", proxy.cluster), ("/metrics", proxy.render_metrics)):
         app.router.add_get(path, handler, expect_handler=expect_handler)

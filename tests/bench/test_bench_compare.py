@@ -171,7 +171,8 @@ def test_compare_loads_no_torch_and_only_leaf_modules():
     loaded = eval(out)
     assert "torch" not in loaded
     assert all(m == "pdserve" or m.startswith(("pdserve.bench", "pdserve.config", "pdserve.protocol",
-                                               "pdserve.help_format", "pdserve.cluster")) for m in loaded), loaded
+                                               "pdserve.help_format", "pdserve.stop_signals", "pdserve.cluster"))
+               for m in loaded), loaded
 
 
 # ---- summary ------------------------------------------------------------------------------------

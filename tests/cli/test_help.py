@@ -38,3 +38,12 @@ def test_the_top_level_help_loads_no_torch():
             "    cli.main(['--help'])\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
     assert out.strip() == "False"
+
+
+def test_empty_and_already_given_defaults_are_not_shown_again():
+    """`(default: )` after empty lists and strings, `(default: (512,))` for a tuple, and "Default: X
+    (default: X)" where the help named it with a capital (review)."""
+    for command in ("up", "proxy", "serve", "plan"):
+        text = help_text(command)
+        assert "(default: )" not in text and "(default: (" not in text, command
+        assert "(default: round-robin)" not in text, command   # --policy's help says "Default: ..."

@@ -138,22 +138,37 @@ def test_identity_to_colocated(model, sp, plen, async_d):
 
 def test_cached_tokens_through_p_and_d_are_what_colocated_reports(model):
     """usage.prompt_tokens_details.cached_tokens counted the KV D read from P as cached: every prompt
-    through the cluster reported all of itself cached (a new-user check). It is P's prefix hits now (and
-    D's own), as a colocated instance reports its hits."""
-    prompt = PROMPT * 3   # 51 tokens: three whole 16-token blocks can be hit the second time
+    through the cluster reported all of itself cached (a new-user check). It is P's prefix hits now, as a
+    colocated instance reports its own; not D's, which may hold the prompt's last block (D takes P's
+    first token, a colocated instance recomputes that block) or a prompt P computed anyway (review)."""
+    long = PROMPT * 3   # 51 tokens
+    sequence = [long, long, long[:32], long[:32], long[:16], long[:16]]   # and whole blocks only
     colo = core(model)
     p, d = core(model, "producer"), core(model, "consumer")
     try:
         sp = SamplingParams(max_tokens=4, temperature=0)
-        for rid in ("first", "again"):
+        seen = []
+        for i, prompt in enumerate(sequence):
+            rid = f"r{i}"
             colo.add_request(rid, prompt, sp)
             want = drain(colo)[rid]
             d.add_request(rid, prompt, sp, prefill(p, rid, prompt, sp))
             got = drain(d, until=[rid])[rid]
-            assert got["usage"] == want["usage"], rid
-        assert want["usage"][2] == 48 > 0   # the second time, hits on both sides
+            assert got["usage"] == want["usage"], (i, len(prompt))
+            seen.append(want["usage"][2])
+        assert seen == [0, 48, 16, 16, 0, 0]
     finally:
         p.connector_worker.shutdown(), d.connector_worker.shutdown()
+
+
+def test_a_forged_remote_cached_count_means_nothing_to_an_instance_that_is_not_a_consumer(model):
+    """A colocated instance without a router key takes kv_transfer_params from anyone: their count of P's
+    hits must not reach its usage (review: 40 of 40 reported)."""
+    colo = core(model)
+    colo.add_request("x", PROMPT, SamplingParams(max_tokens=2, temperature=0), {
+        "do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h",
+        "remote_port": 1, "remote_cached_tokens": 10 ** 9})
+    assert drain(colo)["x"]["usage"][2] == 0
 
 
 def first_of(model, prompt, sp):

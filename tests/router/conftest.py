@@ -209,7 +209,6 @@ class FakeBackend:
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/load", self.load_report)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model:.+}", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/v1/kv/release", self.release)
         return app
@@ -286,6 +285,17 @@ def post_raw(url: str, path: str, body: dict, headers: dict | None = None, timeo
                                      headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def get_raw(url: str, path: str, timeout: float = 10.0):
+    """GET with urllib, the path sent as written (percent-escapes kept); (status, headers, raw body)."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path), timeout=timeout) as resp:
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
