@@ -366,11 +366,18 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     from pdserve.http_guard import use_fast_event_loop
     logging.getLogger("pdserve.server").info("event loop: %s", use_fast_event_loop())
+    from pdserve.cluster.local import port_taken
+    if (taken := port_taken(args.host, args.port)) is not None:   # now, not after the model loads
+        print(f"pdserve serve: {args.host}:{args.port}: {taken}", file=sys.stderr)
+        return 1
     try:
         engine_ended = asyncio.run(_serve(config, args.host, args.port, server_config))
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:   # Ctrl-C before the server took its signals (the model was loading)
+        print("pdserve serve: interrupted while starting", file=sys.stderr)
+        return 130
     if engine_ended:
         print("pdserve serve: the engine process ended (see the log above); exiting with 1", file=sys.stderr)
         return 1

@@ -11,8 +11,8 @@ A failure raises `ProtocolError(400, "<field>: <reason>", param="<field>")` nami
 field the OpenAI way (`messages[2].role`); the server turns it into an OpenAI-style error body.
 Unknown fields are ignored, so clients that send vendor extras (user, metadata, ...) keep working,
 and null means "not given". OpenAI fields pdserve does not implement (n > 1, logprobs, echo, penalties,
-logit_bias, tools and functions, a response_format other than text; vLLM's repetition_penalty, min_p,
-min_tokens, guided decoding) are accepted at the value that asks for nothing and refused (400)
+logit_bias, tools and functions, a response_format other than text, suffix; vLLM's repetition_penalty,
+min_p, min_tokens, guided decoding, allowed_token_ids, bad_words, beam search and the like) are accepted at the value that asks for nothing and refused (400)
 otherwise, never silently ignored. `kv_transfer_params` travels as an opaque dict with vLLM's field names
 (see kv_transfer/base.py); the engine checks its contents.
 
@@ -166,12 +166,13 @@ def _refuse_tools(value: Any) -> Any:
 
 
 def _neutral_only(*neutral: Any, what: str = "") -> Any:
-    """A validator refusing any value but the neutral ones (compared with ==, and bools apart from 0/1)."""
+    """A validator refusing any value but the neutral ones (compared with ==, a bool only with a bool)."""
     only = f" (only {' or '.join(json.dumps(n) for n in neutral)})" if neutral else ""
     message = f"{what} is not supported" if what else f"not supported{only}"
 
     def check(value: Any) -> Any:
-        if not any(value == n and type(value) is not bool for n in neutral) and value is not None:
+        if value is not None and not any(value == n and isinstance(value, bool) == isinstance(n, bool)
+                                         for n in neutral):
             raise _invalid(message)
         return value
     return PlainValidator(check)
@@ -355,7 +356,16 @@ class _Request(BaseModel):
     guided_regex: Annotated[Any, _neutral_only(what="guided decoding")] = None
     guided_choice: Annotated[Any, _neutral_only(what="guided decoding")] = None
     guided_grammar: Annotated[Any, _neutral_only(what="guided decoding")] = None
-    structured_outputs: Annotated[Any, _neutral_only(what="structured outputs")] = None
+    structured_outputs: Annotated[Any, _neutral_only(what="structured output")] = None
+    allowed_token_ids: Annotated[Any, _neutral_only([])] = None
+    bad_words: Annotated[Any, _neutral_only([])] = None
+    logits_processors: Annotated[Any, _neutral_only([])] = None
+    include_stop_str_in_output: Annotated[Any, _neutral_only(False)] = None
+    skip_special_tokens: Annotated[Any, _neutral_only(True)] = None
+    truncate_prompt_tokens: Annotated[Any, _neutral_only()] = None
+    use_beam_search: Annotated[Any, _neutral_only(False)] = None
+    length_penalty: Annotated[Any, _neutral_only(1)] = None
+    prompt_logprobs: Annotated[Any, _neutral_only(0)] = None
 
     @classmethod
     def from_json(cls, data: Any) -> Self:
@@ -397,6 +407,7 @@ class CompletionRequest(_Request):
                                                                                "max_tokens"))   # OpenAI's default
     prompt: Prompt
     echo: Annotated[StrictBool, AfterValidator(_refuse_echo)] = False
+    suffix: Annotated[Any, _neutral_only("")] = None
 
 
 class ChatCompletionRequest(_Request):
@@ -405,6 +416,8 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: TemplateKwargs = Field(default_factory=dict)
     chat_template: Annotated[Any, PlainValidator(_refuse_custom_template)] = None
+    echo: Annotated[Any, _neutral_only(False)] = None   # vLLM's: the last message's text in the answer
+    continue_final_message: Annotated[Any, _neutral_only(False)] = None
 
     @model_validator(mode="after")
     def _content_as_the_template_reads_it(self) -> Self:

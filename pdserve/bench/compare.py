@@ -32,7 +32,6 @@ import math
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from contextlib import ExitStack
@@ -45,7 +44,7 @@ from pdserve.bench.cli import _add_workload_args, _positive_int, _write_json, co
 from pdserve.bench.metrics import format_rate, max_rate_meeting_slo, parse_rate
 from pdserve.bench.plots import plot_sweeps, require_matplotlib
 from pdserve.bench.runner import BenchConfig, run_benchmark, run_sweep
-from pdserve.cluster.local import ChildProcesses, split_cores
+from pdserve.cluster.local import ChildProcesses, port_taken, split_cores
 from pdserve.help_format import HelpFormatter
 
 CONFIG_NAMES = ("colocated", "colocated-chunked", "disaggregated")
@@ -265,16 +264,6 @@ def plan_deployment(config: str, cc: CompareConfig, devices: Sequence[Device], *
 
 # ---- run one configuration ------------------------------------------------------------------------
 
-def _is_port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _last_line(path: Path) -> str:
     try:
         lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
@@ -312,7 +301,7 @@ def run_deployment(deployment: Deployment, cc: CompareConfig, bench: BenchConfig
 
         try:
             busy = [p for p in [deployment.proxy_port, *(i.port for i in deployment.instances)]
-                    if not _is_port_free(deployment.host, p)]
+                    if port_taken(deployment.host, p) is not None]
             if busy:
                 raise RuntimeError(f"port {busy[0]} on {deployment.host} is in use (choose another --base-port)")
             for spec in deployment.instances:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import secrets
 import signal
@@ -113,10 +114,29 @@ def _child_setup(parent_pid: int, die_with_parent: bool) -> None:
     their second signal, which stops at once. SIGTERM when the launcher dies, however it dies (SIGKILL too),
     so no instance outlives it unattended."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)   # a closed terminal: the launcher stops them (SIGTERM)
     if die_with_parent and _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent_pid:   # it died before the prctl: no signal will come
             os._exit(1)
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on (taken, or no such address), or None. Bound as aiohttp binds
+    (SO_REUSEADDR), then let go: a check, not a reservation, so that a start fails at once and not only
+    after a model has loaded."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot resolve the address: {e}"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                return "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+    return None
 
 
 class ChildProcesses:
@@ -333,10 +353,24 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
               f"of two sizes one must divide the other (a D rank reads its heads from whole P ranks)",
               file=sys.stderr)
         return 2
+    # Every port first: a cluster already on them answers /health, and this one would report itself
+    # ready while its own instances failed to bind (review).
+    ports = list(range(port, port + 1 + len(instances) + (kv_connector == "store")))
+    for p in ports:
+        if (why := port_taken(host, p)) is not None:
+            print(f"pdserve up: {host}:{p}: {why} (the cluster takes ports {ports[0]}-{ports[-1]}: the router's, "
+                  f"then one per instance{' and the KV store' if kv_connector == 'store' else ''}; --port moves "
+                  f"them)", file=sys.stderr)
+            return 2
     use_cuda = device == "cuda" or (device == "auto" and (gpus is not None or num_gpus() > 0))
     cores = [None] * len(instances) if use_cuda else split_cores(len(instances), weights=tp_sizes)
     # More ranks than cores: the OS shares the cores, and each engine gets its share of threads.
     threads = None if use_cuda or cores[0] is not None else threads_per_instance(sum(tp_sizes))
+    cuda_devices = (list(gpus) if gpus is not None else list(range(num_gpus()))) if use_cuda else []
+    if cuda_devices and max(tp_sizes) > len(cuda_devices):
+        print(f"pdserve up: an instance with --tensor-parallel-size {max(tp_sizes)} needs as many GPUs, "
+              f"{len(cuda_devices)} listed", file=sys.stderr)
+        return 2
     # Disjoint cores, lent step by step to whichever instance is busy (worker/core_lending.py).
     lending_file = None
     lenders = sum(t == 1 for t in tp_sizes)
@@ -349,15 +383,13 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
                   f"{MAX_SLOTS} and cores below {MAX_CORES})", file=sys.stderr)
         else:
             lending_file = create_group_file()
-    cuda_devices = (list(gpus) if gpus is not None else list(range(num_gpus()))) if use_cuda else []
-    if cuda_devices and max(tp_sizes) > len(cuda_devices):
-        print(f"pdserve up: an instance with --tensor-parallel-size {max(tp_sizes)} needs as many GPUs, "
-              f"{len(cuda_devices)} listed", file=sys.stderr)
-        return 2
     gpu_sets = place_on_gpus(tp_sizes, cuda_devices)
     children = ChildProcesses()
 
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:   # not under nohup
+        # the terminal closed: stop as on SIGTERM (the children ignore SIGHUP), so they drain
+        signal.signal(signal.SIGHUP, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     # Also when started with SIGINT ignored (`pdserve up &` from a script): `kill -INT` stops it as Ctrl-C
     # does, as it stops `pdserve serve`; unless its own launcher stops it (stop_signals.py).
     if os.environ.get(IGNORE_SIGINT_ENV) != "1":

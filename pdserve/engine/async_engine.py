@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import ctypes
 import glob
 import itertools
 import logging
@@ -36,6 +37,7 @@ import os
 import queue
 import secrets
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -50,6 +52,7 @@ from pdserve.outputs import FinishReason, RequestOutput
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
 
 STATS_INTERVAL_S = 0.1
 IDLE_WAIT_S = 0.1
@@ -96,6 +99,21 @@ def _tp_ranks_of(pid: int) -> list[int]:
     return ranks
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this engine process when its server dies, however it dies (a SIGTERM while the model loads
+    ends the server before its exit hook is set; the engine, which ignores SIGTERM, kept loading with no
+    parent, and under `pdserve up` re-created the core-lending file `up` had removed)."""
+    parent = mp.parent_process()
+    if not sys.platform.startswith("linux") or parent is None:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent.pid:   # it died before the prctl
+        os._exit(1)
+
+
 def _kill_at_exit(process: mp.process.BaseProcess) -> None:
     if process.is_alive():
         process.kill()
@@ -108,6 +126,7 @@ def run_engine_process(config: EngineConfig, in_conn, out_conn) -> None:
     # reaches this process too: ending here would cut the requests the server is draining.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     try:
         from pdserve.engine.engine_core import EngineCore
@@ -322,8 +341,14 @@ class AsyncEngine:
         atexit.register(_kill_at_exit, self.process)
         in_recv.close()
         out_send.close()
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
-        kind, payload = await asyncio.to_thread(self._out_recv.recv)
+        try:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
+            kind, payload = await asyncio.to_thread(self._out_recv.recv)
+        except BaseException:
+            # Ctrl-C while the model loads: the thread waiting for "ready" (which asyncio.run waits for)
+            # and the engine, which ignores SIGINT, would both run on until the load ended.
+            _kill_at_exit(self.process)
+            raise
         if kind != "ready":
             self.process.join(5)
             raise RuntimeError(f"engine failed to start: {payload}")

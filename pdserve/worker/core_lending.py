@@ -26,6 +26,7 @@ it was allowed, and the thread count, not a pin, keeps it to its share.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import logging
@@ -67,11 +68,39 @@ def default_group_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else "/tmp"
 
 
+_GROUP_PREFIX = "pdserve-cores-"
+
+
 def create_group_file() -> str:
-    """A new, empty group file of this user's only (`pdserve up`'s; it removes it at exit)."""
-    fd, path = tempfile.mkstemp(prefix="pdserve-cores-", dir=default_group_dir())
+    """A new, empty group file of this user's only (`pdserve up`'s; it removes it at exit). Its name holds
+    the creator's pid, so that a later `up` can remove the file of one that was killed (remove_stale_group_files)."""
+    remove_stale_group_files()
+    fd, path = tempfile.mkstemp(prefix=f"{_GROUP_PREFIX}{os.getpid()}-", dir=default_group_dir())
     os.close(fd)
     return path
+
+
+def remove_stale_group_files(directory: str | None = None) -> list[str]:
+    """Remove this user's group files whose creating `up` is gone (a SIGKILL leaves its file; /dev/shm
+    keeps it until reboot). A pid that is alive, or another user's, keeps its file."""
+    directory = directory or default_group_dir()
+    removed = []
+    for name in os.listdir(directory):
+        pid_part = name[len(_GROUP_PREFIX):].split("-", 1)[0]
+        if not name.startswith(_GROUP_PREFIX) or not pid_part.isdigit():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid != os.geteuid():
+                continue
+            os.kill(int(pid_part), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+        except (OSError, OverflowError):   # alive under another user (EPERM), gone meanwhile
+            continue
+    return removed
 
 
 def plan(me: int, peers: list[tuple[int, bool, frozenset[int]]]) -> list[int]:

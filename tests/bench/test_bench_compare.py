@@ -251,7 +251,7 @@ def free_base_port(num_ports: int) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + num_ports < 65536 and all(compare._is_port_free("127.0.0.1", base + i) for i in range(num_ports)):
+        if base + num_ports < 65536 and all(compare.port_taken("127.0.0.1", base + i) is None for i in range(num_ports)):
             return base
     raise RuntimeError("no free port range")
 

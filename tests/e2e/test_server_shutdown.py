@@ -5,8 +5,10 @@ an engine that could not step, a tensor-parallel rank stopped, kept the process 
 timeout)."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
 import signal
 import threading
 import time
@@ -104,3 +106,61 @@ def test_a_server_that_fails_after_its_engine_started_exits():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+
+def _engine_of(proc, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = [p for p in proc.pids()[1:] if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+        if kids:
+            return kids[0]
+        time.sleep(0.05)
+    raise AssertionError("no engine process appeared")
+
+
+def _ignores(pid: int, sig: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (sig - 1) & 1)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_server_stopped_while_its_model_loads_leaves_no_engine(sig):
+    """Before the server takes its signals: Ctrl-C waited for the load to end (the thread waiting for the
+    engine's "ready" held asyncio.run, and the engine ignores SIGINT), and SIGTERM ended the server at
+    once while its engine, which ignores SIGTERM, loaded on with no parent (review). The load is held
+    here by stopping the engine, as a hung one would be."""
+    proc = serve("load-stop")
+    engine = None
+    try:
+        engine = _engine_of(proc)
+        deadline = time.monotonic() + 30
+        while not _ignores(engine, signal.SIGTERM) and time.monotonic() < deadline:
+            time.sleep(0.01)   # run_engine_process has begun (its next line asks for the parent-death signal)
+        time.sleep(0.5)
+        os.kill(engine, signal.SIGSTOP)
+        time.sleep(0.5)
+        start = time.monotonic()
+        proc.proc.send_signal(sig)
+        proc.proc.wait(timeout=20)
+        deadline = time.monotonic() + 10
+        while not _gone(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(engine) and time.monotonic() - start < 20
+    finally:
+        for pid in [*proc.pids(), *([engine] if engine else [])]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.stop()

@@ -63,7 +63,7 @@ def _lending_files() -> set[str]:
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "ctrl-c, started with SIGINT ignored", "ctrl-c twice",
-                                 "sigterm to every process"])
+                                 "sigterm to every process", "sighup to every process"])
 def test_the_cluster_drains_however_it_is_stopped(tmp_path, how):
     """Ctrl-C (SIGINT to the whole foreground group), also when `up` started with SIGINT ignored (as a
     shell leaves a background job) and pressed twice 0.2 s apart; systemd's stop (SIGTERM to every
@@ -89,10 +89,10 @@ def test_the_cluster_drains_however_it_is_stopped(tmp_path, how):
         resp = conn.getresponse()
         assert resp.status == 200
         assert resp.readline().startswith(b"data: ")   # it is generating
-        if how == "sigterm to every process":
+        if how.endswith("to every process"):   # systemd's stop; a closed terminal (SIGHUP) (review)
             for pid in [proc.pid, *children]:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
+                    os.kill(pid, signal.SIGTERM if how.startswith("sigterm") else signal.SIGHUP)
         else:
             os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the terminal signals the foreground group
             if how == "ctrl-c twice":
@@ -163,3 +163,16 @@ def test_a_child_ignores_sigint_and_gets_sigterm_when_its_launcher_is_killed(tmp
             launcher.wait()
         if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_up_refuses_ports_already_taken_before_it_starts_anything(capsys):
+    """A second `up` on a running cluster's ports reported itself ready (the first cluster answered its
+    /health) while its own instances failed to bind, five restarts each (review)."""
+    import socket
+    from pdserve import cli
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["up", "--host", "127.0.0.1", "--port", str(port - 1)]) == 2
+    assert f"127.0.0.1:{port}: address already in use" in capsys.readouterr().err

@@ -291,3 +291,20 @@ def test_the_engine_loop_does_not_lend_the_cores_of_a_burst_it_just_began():
     inbox = Conn([("add", "r", [1, 2], None, None, None)])
     assert _engine_loop(core, inbox, Conn([])) is None
     assert [c for c in core.calls if c[0] == "idle"] and all(work == 0 for what, work in core.calls if what == "idle")
+
+
+def test_a_killed_ups_group_file_is_removed_by_the_next_one(tmp_path):
+    """SIGKILL leaves `up`'s group file in /dev/shm until reboot (review): the next `up` removes the files
+    whose creator is gone, and only those."""
+    import subprocess
+    import sys
+    from pdserve.worker.core_lending import remove_stale_group_files
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"pdserve-cores-{dead.pid}-abc"
+    live = tmp_path / f"pdserve-cores-{os.getpid()}-def"
+    other = tmp_path / "pdserve-cores-notapid"
+    for f in (stale, live, other):
+        f.write_bytes(b"")
+    assert remove_stale_group_files(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()
