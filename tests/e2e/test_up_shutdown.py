@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import time
 import pytest
 
 from tests.e2e.cluster import free_port
-from tests.e2e.test_server_shutdown import _events
+from tests.e2e.test_server_shutdown import _events, long_stream
 
 
 def _descendants(pid: int) -> list[int]:
@@ -82,13 +81,7 @@ def test_the_cluster_drains_however_it_is_stopped(tmp_path, how):
         _wait_healthy(port, proc)
         children = _descendants(proc.pid)
         assert len(children) >= 3   # P, D, the router, and their engines
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        conn.request("POST", "/v1/completions", json.dumps({
-            "model": "default", "prompt": "Tell me a very long story.", "max_tokens": 3000, "ignore_eos": True,
-            "temperature": 0, "stream": True}), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        assert resp.readline().startswith(b"data: ")   # it is generating
+        resp = long_stream(port)
         if how.endswith("to every process"):   # systemd's stop; a closed terminal (SIGHUP) (review)
             for pid in [proc.pid, *children]:
                 with contextlib.suppress(ProcessLookupError):
