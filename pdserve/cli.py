@@ -15,7 +15,7 @@ import sys
 from pdserve.config import (API_KEY_ENV, LOOPBACK_HOSTS, ROUTER_KEY_ENV, CacheConfig, EngineConfig,
                             KVTransferConfig, KV_ROLES, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
 from pdserve.help_format import HelpFormatter
-from pdserve.stop_signals import stop_handler, stop_signals
+from pdserve.stop_signals import claim_sigint, stop_handler, stop_signals
 
 DESCRIPTION = """pdserve: an LLM server with prefill/decode disaggregation and an OpenAI-compatible API.
 
@@ -367,6 +367,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from pdserve.http_guard import use_fast_event_loop
     logging.getLogger("pdserve.server").info("event loop: %s", use_fast_event_loop())
     from pdserve.cluster.local import port_taken
+    claim_sigint()   # Ctrl-C while the model loads too (asyncio.run then cancels the start)
     if (taken := port_taken(args.host, args.port)) is not None:   # now, not after the model loads
         print(f"pdserve serve: {args.host}:{args.port}: {taken}", file=sys.stderr)
         return 1

@@ -8,6 +8,8 @@
 - A child of a launcher that stops its children itself (`pdserve up`, `pdserve bench compare`: their
   ChildProcesses sets IGNORE_SIGINT_ENV) ignores SIGINT: the terminal's Ctrl-C reaches it too, and its
   launcher then sends it one SIGTERM, so that the drain is not cut short by a second signal.
+- `serve` and `up` take Ctrl-C from their start, also when started with SIGINT ignored (a background job of
+  a script, a test runner's child), unless their launcher owns it (claim_sigint).
 The engine process and tensor-parallel ranks take none of these: their server stops them.
 """
 from __future__ import annotations
@@ -19,6 +21,13 @@ from typing import Callable
 
 IGNORE_SIGINT_ENV = "PDSERVE_IGNORE_SIGINT"
 SAME_STOP_S = 1.0
+
+
+def claim_sigint() -> None:
+    """Take Ctrl-C (KeyboardInterrupt) from the start, also when this process started with SIGINT ignored
+    (`pdserve serve &` from a script, or under a test runner), unless its launcher owns Ctrl-C."""
+    if os.environ.get(IGNORE_SIGINT_ENV) != "1":
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def stop_signals() -> tuple[int, ...]:

@@ -34,7 +34,7 @@ import urllib.request
 from typing import IO, Mapping, Sequence
 
 from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV, TP_KV_CONNECTORS
-from pdserve.stop_signals import IGNORE_SIGINT_ENV, SAME_STOP_S
+from pdserve.stop_signals import IGNORE_SIGINT_ENV, SAME_STOP_S, claim_sigint
 
 HEALTH_TIMEOUT_S = 600
 GPU_MEMORY_FRACTION = 0.9   # of one GPU, for the instances `up` puts on it together (serve's default alone)
@@ -392,8 +392,7 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
         signal.signal(signal.SIGHUP, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     # Also when started with SIGINT ignored (`pdserve up &` from a script): `kill -INT` stops it as Ctrl-C
     # does, as it stops `pdserve serve`; unless its own launcher stops it (stop_signals.py).
-    if os.environ.get(IGNORE_SIGINT_ENV) != "1":
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    claim_sigint()
     router_key = os.environ.get(ROUTER_KEY_ENV) or secrets.token_urlsafe(32)
     instance_env = {**os.environ, ROUTER_KEY_ENV: router_key, API_KEY_ENV: router_key}
     proxy_env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
