@@ -618,7 +618,8 @@ def build_app(engine: Any, config: ServerConfig | None = None) -> web.Applicatio
                           ("/tokenize", server.tokenize), ("/detokenize", server.detokenize),
                           ("/v1/kv/release", server.release_kv)):
         app.router.add_post(path, handler, expect_handler=expect_handler)
-    for path, handler in (("/v1/models", server.models), ("/v1/models/{model:.+}", server.model), ("/health", server.health),
+    for path, handler in (("/v1/models", server.models), ("/v1/models/{model:.+}", server.model),
+                          ("/health", server.health),
                           ("/metrics", server.metrics_text), ("/v1/load", server.load)):
         app.router.add_get(path, handler, expect_handler=expect_handler)
 
