@@ -1,14 +1,16 @@
 """A/B of one CPU fast path inside one engine, alternating step by step so that the noisy shared machine
 affects both sides alike.
 
-    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear|packed|gemm|fused|rope [--threads 2] [--batch 64]
-        [--prompt-len 256] [--steps 12] [--prefill] [--out F.json]
+    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear|packed|gemm|fused|prefetch|rope [--threads 2] [--batch 64]
+        [--prompt-len 256] [--steps 12] [--prefill [--prefill-tokens N]] [--out F.json]
 
   attention  the C decode attention kernel (model/cpu_kernels.py) against plain torch (BACKEND reference)
   linear     oneDNN's linear against ATen's F.linear (layers.CPU_ONEDNN_LINEAR)
   packed     the packed GEMM (layers.CPU_PACKED_LINEAR: MKL on Intel, oneDNN elsewhere) against the oneDNN/ATen rule
   gemm       pdserve's own packed GEMM (model/csrc/cpu_linear.c) against oneDNN's packed weights
   fused      RMSNorm and SwiGLU as C kernels (model/csrc/cpu_norm.c) against eager torch (layers.CPU_FUSED_OPS)
+  prefetch   pdserve's GEMM asking for the next panels' weights ahead (model/csrc/cpu_linear.c,
+             pdserve_linear_prefetch) against the hardware prefetcher alone
   rope       rotary + KV cache write as one C kernel (model/csrc/cpu_rope.c) against apply_rotary + write_kv
              (the attention and fused switches' "off" sides turn this kernel off too: since 2026-12-04 their
              A/B figures include it)
@@ -16,12 +18,13 @@ affects both sides alike.
 Prefills `batch` random prompts, then times pure-decode steps (schedule + execute + update) with the
 path on and off in turn (ABBA order), and one decode step of a single sequence the same way (the
 single-stream TPOT's engine part). With --prefill it times prefill steps instead: each one a full token
-budget (2,048) of fresh prompts, which finish there (one output token). Timing only: token identity is the test suite's job
+budget (2,048, or --prefill-tokens) of fresh prompts, which finish there (one output token). Timing only: token identity is the test suite's job
 (tests/engine/test_llm_greedy.py runs with both fast paths on).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import random
 import statistics
@@ -51,6 +54,10 @@ def set_fused(on: bool) -> None:
     layers.CPU_FUSED_OPS = on
 
 
+def set_prefetch(on: bool) -> None:
+    ctypes.c_int.in_dll(cpu_kernels._library(), "pdserve_linear_prefetch").value = int(on)
+
+
 def set_attention(on: bool) -> None:
     attention.BACKEND = "auto" if on else "reference"
 
@@ -64,15 +71,15 @@ def set_rope(on: bool) -> None:
 
 SWITCHES = {"linear": (set_linear, "onednn", "aten"), "packed": (set_packed, "packed", "onednn_aten"),
             "gemm": (set_gemm, "pdserve_gemm", "onednn_packed"),
-            "fused": (set_fused, "c_kernels", "eager"),
+            "fused": (set_fused, "c_kernels", "eager"), "prefetch": (set_prefetch, "prefetch", "no_prefetch"),
             "attention": (set_attention, "kernel", "torch"), "rope": (set_rope, "c_rope", "torch_rope")}
 
 
-def run_prefill(switch: str, prompt_len: int, steps: int, threads: int) -> dict:
+def run_prefill(switch: str, prompt_len: int, steps: int, threads: int, tokens: int | None) -> dict:
     flip, on_name, off_name = SWITCHES[switch]
     llm = LLM("default", num_threads=threads, enable_prefix_caching=False)
     engine = llm.engine
-    budget = engine.scheduler.config.max_num_batched_tokens
+    budget = min(tokens or engine.scheduler.config.max_num_batched_tokens, engine.scheduler.config.max_num_batched_tokens)
     rng = random.Random(0)
     times = {True: [], False: []}
     for i in range(steps * 2 + 2):
@@ -138,12 +145,14 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--prefill", action="store_true", help="time prefill steps, not decode steps")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="with --prefill: prompt tokens per step (whole prompts; default the token budget, 2,048)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     _, on_name, off_name = SWITCHES[args.switch]
     real_packer = layers.packer
     if args.prefill:
-        results = [run_prefill(args.switch, args.prompt_len, args.steps, args.threads)]
+        results = [run_prefill(args.switch, args.prompt_len, args.steps, args.threads, args.prefill_tokens)]
     else:
         results = [run(args.switch, b, args.prompt_len, args.steps, args.threads) for b in (args.batch, 1)]
     layers.packer = real_packer

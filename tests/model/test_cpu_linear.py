@@ -166,6 +166,26 @@ def test_our_gemm_gives_the_same_bits_on_any_number_of_threads(m, n, k):
     torch.testing.assert_close(results[0], F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here")
+@pytest.mark.parametrize("m, n, k", [(1, 3072, 576), (12, 49, 576), (256, 960, 576), (2048, 70, 96)])
+def test_the_weight_prefetch_changes_no_bit(m, n, k):
+    """The first row tile of each run of panels prefetches the next run (cpu_linear.c); the last run has
+    none after it, and a prefetch never stores: the output is the same with it off."""
+    import ctypes
+    flag = ctypes.c_int.in_dll(cpu_kernels._library(), "pdserve_linear_prefetch")
+    gen = torch.Generator().manual_seed(m + n)
+    w, x, b = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    packed = cpu_kernels.pack_linear(w)
+    assert flag.value == 1   # on by default
+    try:
+        on = cpu_kernels.linear(x, packed, w, b)
+        flag.value = 0
+        off = cpu_kernels.linear(x, packed, w, b)
+    finally:
+        flag.value = 1
+    assert torch.equal(on, off)
+
+
 @needs_packed
 def test_a_weight_written_in_place_is_packed_again():
     """A reload copies into the same tensor: the packed copy made before must not be served after."""
