@@ -1,5 +1,6 @@
 """One layer's prefill attention on CPU, the default model's heads (9 query, 3 KV, head size 64): the C
-kernel (model/csrc/cpu_prefill_attention.c) against the plain-torch path it replaced (index_select
+kernel (model/csrc/cpu_prefill_attention.c) against itself with every task transposing its own key tiles
+(pdserve_prefill_shared_keys_max_bytes = 0) and against the plain-torch path it replaced (index_select
 gathers + SDPA), calls alternated, one prompt of each length, no cached prefix.
 
     .venv/bin/python benchmarks/cpu_prefill_attention.py [--lengths 64,256,1024,2048] [--out F.json]
@@ -7,13 +8,25 @@ gathers + SDPA), calls alternated, one prompt of each length, no cached prefix.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
 
 import torch
 
+from pdserve.model import cpu_kernels
 from pdserve.model.attention import AttentionMetadata, paged_attention, paged_attention_reference
+
+
+def own_tiles(call):
+    """call() with every task transposing its own key tiles (the kernel before it shared them per head)."""
+    knob = ctypes.c_int64.in_dll(cpu_kernels._library(), "pdserve_prefill_shared_keys_max_bytes")
+    saved, knob.value = knob.value, 0
+    try:
+        return call()
+    finally:
+        knob.value = saved
 
 
 def main() -> None:
@@ -34,6 +47,7 @@ def main() -> None:
         md = AttentionMetadata(torch.tensor([0, length], dtype=torch.int32), torch.tensor([length], dtype=torch.int32),
                                table, torch.zeros(length, dtype=torch.long), [length], [length], block_size)
         ways = {"kernel": lambda: paged_attention(q, kv, md, dim ** -0.5),
+                "kernel_task_transposes": lambda: own_tiles(lambda: paged_attention(q, kv, md, dim ** -0.5)),
                 "torch": lambda: paged_attention_reference(q, kv, md, dim ** -0.5)}
         times = {name: [] for name in ways}
         for r in range(args.repeats + 2):
@@ -44,7 +58,8 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         flop = 4 * heads * dim * length * (length + 1) / 2   # QK^T and PV over the causal half
-        row = {"length": length, "kernel_ms": round(ms["kernel"], 3), "torch_ms": round(ms["torch"], 3),
+        row = {"length": length, "kernel_ms": round(ms["kernel"], 3),
+               "kernel_task_transposes_ms": round(ms["kernel_task_transposes"], 3), "torch_ms": round(ms["torch"], 3),
                "speedup": round(ms["torch"] / ms["kernel"], 2), "kernel_gflops": round(flop / ms["kernel"] / 1e6, 1)}
         rows.append(row)
         print("  ".join(f"{k} {v}" for k, v in row.items()), flush=True)

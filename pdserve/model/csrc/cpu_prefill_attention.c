@@ -56,17 +56,17 @@ static inline vf vzero(void) { return (v8){0}; }
 #endif
 #define KV (KT / LANES)  /* vectors per tile row of keys */
 
-/* Scores of S_ROWS rows (rows[i]: the query row, head_dim floats) against the tile's keys, kt [dim][KT]:
- * s[i][j] = sum over d, in order, of rows[i][d] * key_j[d]. Rows past n point at a real row and are
- * computed but not stored. */
+/* Scores of S_ROWS rows (rows[i]: the query row, head_dim floats) against the tile's keys, kt [dim][KT]
+ * with rows ldk floats apart: s[i][j] = sum over d, in order, of rows[i][d] * key_j[d]. Rows past n point
+ * at a real row and are computed but not stored. */
 static inline __attribute__((always_inline)) void score_tile(const float *const *rows, int n, const float *kt,
-                                                           int dim, float *s) {
+                                                           int64_t ldk, int dim, float *s) {
     vf acc[S_ROWS][KV];
     for (int i = 0; i < S_ROWS; i++)
         for (int c = 0; c < KV; c++) acc[i][c] = vzero();
     for (int d = 0; d < dim; d++) {
         vf b[KV];
-        for (int c = 0; c < KV; c++) b[c] = vload(kt + d * KT + c * LANES);
+        for (int c = 0; c < KV; c++) b[c] = vload(kt + d * ldk + c * LANES);
         for (int i = 0; i < S_ROWS; i++) {
             const vf a = vset1(rows[i][d]);
             for (int c = 0; c < KV; c++) acc[i][c] = vfma(a, b[c], acc[i][c]);
@@ -188,13 +188,33 @@ DEFINE_PV(32)
 DEFINE_PV(64)
 DEFINE_PV(128)
 
+/* Keys [k0, k0 + KT) of KV head g, transposed into kt [dim][ldk] from column 0; positions past `end`
+ * (exclusive) are zeros. */
+static void transpose_keys(const float *kv, const int32_t *block_table, int64_t block_stride, int block_size,
+                           int64_t slot_stride, int g, int dim, int k0, int end, float *kt, int64_t ldk) {
+    const int nk = end - k0 < KT ? end - k0 : KT;
+    const float *keys[KT];
+    for (int j = 0; j < nk; j++) {
+        const int pos = k0 + j;
+        keys[j] = kv + (int64_t)block_table[pos / block_size] * block_stride + (int64_t)(pos % block_size) * slot_stride
+                  + (int64_t)g * dim;
+    }
+    for (int d = 0; d < dim; d++) {
+        for (int j = 0; j < nk; j++) kt[d * ldk + j] = keys[j][d];
+        for (int j = nk; j < KT; j++) kt[d * ldk + j] = 0.0f;
+    }
+}
+
 /* One task: KV head g of a sequence, query positions [first, last] (absolute positions; the chunk's query
  * token t sits at position `start + t`). q rows of token t: q + t * ldq, heads dense; out the same
- * tokens, [heads][dim] dense per token. */
+ * tokens, [heads][dim] dense per token. keys_t: the head's keys transposed once for every task,
+ * [dim][ldk] (pdserve_prefill_attention), or NULL: each tile is transposed here into kt. A tile's keys
+ * past `last` are then real keys, not zeros, but their scores are masked to -inf before they are used,
+ * so a row's numbers are the same either way. */
 static void task(const float *q, int64_t ldq, const float *kv, const int32_t *block_table, int64_t block_stride,
                  int64_t kv_stride, int block_size, int num_kv_heads, int group, int dim, int g, int start,
-                 int first, int last, float scale, float *out, float *kt, float *s, float *o, float *m, float *l,
-                 float *alpha) {
+                 int first, int last, float scale, float *out, const float *keys_t, int64_t ldk, float *kt,
+                 float *s, float *o, float *m, float *l, float *alpha) {
     const int positions = last - first + 1, rows = positions * group;
     const int64_t slot_stride = (int64_t)num_kv_heads * dim;
     const float *row_ptr[MAX_ROWS + S_ROWS];
@@ -205,20 +225,17 @@ static void task(const float *q, int64_t ldq, const float *kv, const int32_t *bl
     memset(o, 0, sizeof(float) * rows * dim);
     for (int k0 = 0; k0 <= last; k0 += KT) {
         const int nk = last + 1 - k0 < KT ? last + 1 - k0 : KT;
-        const float *keys[KT], *values[KT];
+        const float *values[KT];
         for (int j = 0; j < nk; j++) {
             const int pos = k0 + j;
-            const float *slot = kv + (int64_t)block_table[pos / block_size] * block_stride
-                                + (int64_t)(pos % block_size) * slot_stride + (int64_t)g * dim;
-            keys[j] = slot;
-            values[j] = slot + kv_stride;
+            values[j] = kv + (int64_t)block_table[pos / block_size] * block_stride
+                        + (int64_t)(pos % block_size) * slot_stride + (int64_t)g * dim + kv_stride;
         }
-        for (int d = 0; d < dim; d++) {
-            for (int j = 0; j < nk; j++) kt[d * KT + j] = keys[j][d];
-            for (int j = nk; j < KT; j++) kt[d * KT + j] = 0.0f;
-        }
+        const float *tile = keys_t ? keys_t + k0 : kt;
+        if (!keys_t) transpose_keys(kv, block_table, block_stride, block_size, slot_stride, g, dim, k0, last + 1, kt, KT);
         for (int r = 0; r < rows; r += S_ROWS)
-            score_tile(row_ptr + r, rows - r < S_ROWS ? rows - r : S_ROWS, kt, dim, s + r * KT);
+            score_tile(row_ptr + r, rows - r < S_ROWS ? rows - r : S_ROWS, tile, keys_t ? ldk : KT, dim,
+                       s + r * KT);
         softmax_tile(s, rows, group, first, k0, nk, scale, m, l, alpha);
         switch (dim) {
             case 16: pv_16(o, s, alpha, values, nk, rows); break;
@@ -234,6 +251,10 @@ static void task(const float *q, int64_t ldq, const float *kv, const int32_t *bl
         for (int d = 0; d < dim; d++) dst[d] = o[r * dim + d] * inv;
     }
 }
+
+/* The most bytes of transposed keys one call shares between its tasks; 0: every task transposes its own
+ * tiles (the A/B's other side, and the path taken past this size). */
+int64_t pdserve_prefill_shared_keys_max_bytes = (int64_t)256 << 20;
 
 /* The prefill sequences of a step. Sequence i's query tokens are rows [query_start[i], query_start[i+1])
  * of q (row stride ldq floats; [heads][dim] dense in a row) and of out ([T][heads][dim] dense); they are
@@ -277,9 +298,45 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
                 n++;
             }
     }
+    /* Each sequence's keys, transposed once per KV head for all its tasks ([dim][len rounded up to KT],
+     * zeros past len): a task per block of query positions transposed every tile it read, again for each
+     * task (9 % of the kernel's time at 2,048 tokens). Past pdserve_prefill_shared_keys_max_bytes in all,
+     * the tasks transpose their own tiles as before. */
+    int64_t *keys_off = malloc(sizeof(int64_t) * 2 * ((int64_t)num_seqs + 1));
+    if (keys_off == NULL) {
+        free(list);
+        return -1;
+    }
+    int64_t *units_before = keys_off + num_seqs + 1;   /* transposed tiles of the sequences before s */
+    keys_off[0] = units_before[0] = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int64_t tiles = ((int64_t)seq_lens[s] + KT - 1) / KT;
+        keys_off[s + 1] = keys_off[s] + (int64_t)num_kv_heads * head_dim * tiles * KT;
+        units_before[s + 1] = units_before[s] + num_kv_heads * tiles;
+    }
+    float *keys_t = keys_off[num_seqs] * (int64_t)sizeof(float) <= pdserve_prefill_shared_keys_max_bytes
+                    ? malloc(sizeof(float) * (keys_off[num_seqs] > 0 ? keys_off[num_seqs] : 1)) : NULL;
+    const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
+        if (keys_t) {
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < units_before[num_seqs]; u++) {
+                int lo = 0, hi = num_seqs - 1;   /* the sequence whose tiles hold unit u */
+                while (lo < hi) {
+                    const int mid = (lo + hi + 1) / 2;
+                    if (units_before[mid] <= u) lo = mid;
+                    else hi = mid - 1;
+                }
+                const int64_t tiles = (units_before[lo + 1] - units_before[lo]) / num_kv_heads;
+                const int64_t i = u - units_before[lo];
+                const int g = (int)(i / tiles), k0 = (int)(i % tiles) * KT;
+                transpose_keys(kv, block_tables + (int64_t)lo * max_blocks, block_stride, block_size, slot_stride, g,
+                               head_dim, k0, seq_lens[lo], keys_t + keys_off[lo] + (int64_t)g * head_dim * tiles * KT + k0,
+                               tiles * KT);
+            }
+        }
         float *buf = malloc(sizeof(float) * ((int64_t)MAX_DIM * KT + (int64_t)MAX_ROWS * KT
                                              + (int64_t)MAX_ROWS * MAX_DIM + 3 * (MAX_ROWS + 16)));
 #pragma omp for schedule(dynamic, 1)
@@ -294,12 +351,17 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
             const int first = start + b * per_task;
             const int last = first + per_task - 1 < seq_lens[s] - 1 ? first + per_task - 1 : seq_lens[s] - 1;
             float *kt = buf, *sc = kt + MAX_DIM * KT, *o = sc + MAX_ROWS * KT, *m = o + MAX_ROWS * MAX_DIM;
+            const int64_t ldk = ((int64_t)seq_lens[s] + KT - 1) / KT * KT;
             task(q + (int64_t)query_start[s] * ldq, ldq, kv, block_tables + (int64_t)s * max_blocks, block_stride,
                  kv_stride, block_size, num_kv_heads, group, head_dim, g, start, first, last, scale,
-                 out + (int64_t)query_start[s] * num_heads * head_dim, kt, sc, o, m, m + MAX_ROWS + 16, m + 2 * (MAX_ROWS + 16));
+                 out + (int64_t)query_start[s] * num_heads * head_dim,
+                 keys_t ? keys_t + keys_off[s] + (int64_t)g * head_dim * ldk : NULL, ldk, kt, sc, o, m,
+                 m + MAX_ROWS + 16, m + 2 * (MAX_ROWS + 16));
         }
         free(buf);
     }
+    free(keys_t);
+    free(keys_off);
     free(list);
     return failed ? -1 : 0;
 }
