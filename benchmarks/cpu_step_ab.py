@@ -79,7 +79,8 @@ def run_prefill(switch: str, prompt_len: int, steps: int, threads: int, tokens: 
     flip, on_name, off_name = SWITCHES[switch]
     llm = LLM("default", num_threads=threads, enable_prefix_caching=False)
     engine = llm.engine
-    budget = min(tokens or engine.scheduler.config.max_num_batched_tokens, engine.scheduler.config.max_num_batched_tokens)
+    budget = engine.scheduler.config.max_num_batched_tokens
+    budget = min(tokens or budget, budget)
     rng = random.Random(0)
     times = {True: [], False: []}
     for i in range(steps * 2 + 2):

@@ -81,7 +81,8 @@ def main() -> None:
                "max_tokens": args.max_tokens, "gap_s": args.gap_s}
     for name, rows in results.items():
         ttft, tpot = [r[0] * 1e3 for r in rows], [r[1] * 1e3 for r in rows]
-        summary[name] = {"ttft_ms_p50": round(statistics.median(ttft), 1), "tpot_ms_p50": round(statistics.median(tpot), 2),
+        summary[name] = {"ttft_ms_p50": round(statistics.median(ttft), 1),
+                         "tpot_ms_p50": round(statistics.median(tpot), 2),
                          "ttft_ms": [round(t, 1) for t in ttft], "tpot_ms": [round(t, 2) for t in tpot]}
         print(f"{name}: TTFT p50 {summary[name]['ttft_ms_p50']} ms, TPOT p50 {summary[name]['tpot_ms_p50']} ms")
     for i, key in ((0, "ttft"), (1, "tpot")):

@@ -232,7 +232,8 @@ static void task(const float *q, int64_t ldq, const float *kv, const int32_t *bl
                         + (int64_t)(pos % block_size) * slot_stride + (int64_t)g * dim + kv_stride;
         }
         const float *tile = keys_t ? keys_t + k0 : kt;
-        if (!keys_t) transpose_keys(kv, block_table, block_stride, block_size, slot_stride, g, dim, k0, last + 1, kt, KT);
+        if (!keys_t)
+            transpose_keys(kv, block_table, block_stride, block_size, slot_stride, g, dim, k0, last + 1, kt, KT);
         for (int r = 0; r < rows; r += S_ROWS)
             score_tile(row_ptr + r, rows - r < S_ROWS ? rows - r : S_ROWS, tile, keys_t ? ldk : KT, dim,
                        s + r * KT);
@@ -332,9 +333,9 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
                 const int64_t tiles = (units_before[lo + 1] - units_before[lo]) / num_kv_heads;
                 const int64_t i = u - units_before[lo];
                 const int g = (int)(i / tiles), k0 = (int)(i % tiles) * KT;
+                float *head_keys = keys_t + keys_off[lo] + (int64_t)g * head_dim * tiles * KT;
                 transpose_keys(kv, block_tables + (int64_t)lo * max_blocks, block_stride, block_size, slot_stride, g,
-                               head_dim, k0, seq_lens[lo], keys_t + keys_off[lo] + (int64_t)g * head_dim * tiles * KT + k0,
-                               tiles * KT);
+                               head_dim, k0, seq_lens[lo], head_keys + k0, tiles * KT);
             }
         }
         float *buf = malloc(sizeof(float) * ((int64_t)MAX_DIM * KT + (int64_t)MAX_ROWS * KT
