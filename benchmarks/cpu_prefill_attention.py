@@ -19,9 +19,14 @@ from pdserve.model import cpu_kernels
 from pdserve.model.attention import AttentionMetadata, paged_attention, paged_attention_reference
 
 
+_KNOB = []
+
+
 def own_tiles(call):
     """call() with every task transposing its own key tiles (the kernel before it shared them per head)."""
-    knob = ctypes.c_int64.in_dll(cpu_kernels._library(), "pdserve_prefill_shared_keys_max_bytes")
+    if not _KNOB:
+        _KNOB.append(ctypes.c_int64.in_dll(cpu_kernels._library(), "pdserve_prefill_shared_keys_max_bytes"))
+    knob = _KNOB[0]
     saved, knob.value = knob.value, 0
     try:
         return call()

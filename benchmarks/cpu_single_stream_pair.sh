@@ -4,7 +4,7 @@
 # per round, 32 tokens out, 2 s idle before each request). JSON and logs under $OUT (default
 # benchmarks/results/cpu-single-stream-pair-DATE/).
 #   bash benchmarks/cpu_single_stream_pair.sh [RUN_TAG] [extra single_stream_pair.py args]
-set -u
+set -u -o pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ANCHOR=$HERE/../../shared/anchors/vllm-cpu
 export ANCHORS=${ANCHORS:-$HOME/.cache/vllm-cpu-anchor}

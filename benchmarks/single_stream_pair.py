@@ -23,7 +23,10 @@ import time
 
 
 def stream_once(port: int, model: str, prompt: list[int], max_tokens: int, timeout_s: float) -> tuple[float, float]:
-    """(TTFT, mean time per output token after the first) of one streamed completion, seconds."""
+    """(TTFT, mean time per output token after the first) of one streamed completion, seconds: the first
+    chunk with text, then (last chunk - first) / (max_tokens - 1), as vLLM's own client counts it. The
+    answer must end with finish_reason "length" (ignore_eos: all max_tokens tokens), else it raises, as it
+    does on an error event inside the stream."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "ignore_eos": True})
@@ -33,15 +36,26 @@ def stream_once(port: int, model: str, prompt: list[int], max_tokens: int, timeo
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"port {port}: HTTP {resp.status}: {resp.read()[:300]!r}")
-        arrivals = []
+        arrivals, finish = [], None
         for line in resp:
-            if line.startswith(b"data:") and b'"text"' in line:
-                arrivals.append(time.perf_counter() - start)
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            now = time.perf_counter() - start
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"port {port}: error event in the stream: {event['error']}")
+            if not event.get("choices"):   # (a usage-only chunk)
+                continue
+            choice = event["choices"][0]
+            if choice.get("text"):
+                arrivals.append(now)
+            finish = choice.get("finish_reason") or finish
     finally:
         conn.close()
-    if len(arrivals) < 2:
-        raise RuntimeError(f"port {port}: {len(arrivals)} token chunks, expected {max_tokens}")
-    return arrivals[0], (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+    if finish != "length" or not arrivals:
+        raise RuntimeError(f"port {port}: the stream ended with finish_reason {finish!r} after {len(arrivals)} "
+                           f"chunks with text; expected {max_tokens} tokens and 'length'")
+    return arrivals[0], (arrivals[-1] - arrivals[0]) / (max_tokens - 1)
 
 
 def main() -> None:
@@ -49,7 +63,7 @@ def main() -> None:
     p.add_argument("--a", required=True, help="NAME=PORT of the first server (the ratios are a / b)")
     p.add_argument("--b", required=True, help="NAME=PORT of the second server")
     p.add_argument("--model", default="smollm2", help="the served model name on both")
-    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=16, help="a multiple of 4 balances the ABBA order")
     p.add_argument("--warmups", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -59,6 +73,8 @@ def main() -> None:
                    "against the same servers meets no prefix-cache hits)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.rounds < 1 or args.max_tokens < 2:
+        p.error("--rounds must be at least 1 and --max-tokens at least 2")
     servers = []
     for spec in (args.a, args.b):
         name, _, port = spec.partition("=")

@@ -169,8 +169,9 @@ def test_our_gemm_gives_the_same_bits_on_any_number_of_threads(m, n, k):
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here")
 @pytest.mark.parametrize("m, n, k", [(1, 3072, 576), (12, 49, 576), (256, 960, 576), (2048, 70, 96)])
 def test_the_weight_prefetch_changes_no_bit(m, n, k):
-    """The first row tile of each run of panels prefetches the next run (cpu_linear.c); the last run has
-    none after it, and a prefetch never stores: the output is the same with it off."""
+    """The first row tile of each run of panels prefetches the next run (cpu_linear.c), where all of its
+    panels exist (70 columns: 5 panels, no whole run after the first 4), and a prefetch never stores: the
+    output is the same with it off."""
     import ctypes
     flag = ctypes.c_int.in_dll(cpu_kernels._library(), "pdserve_linear_prefetch")
     gen = torch.Generator().manual_seed(m + n)

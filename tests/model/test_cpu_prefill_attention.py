@@ -64,17 +64,20 @@ def test_the_kernel_matches_torch(num_heads, num_kv_heads, head_dim, block_size)
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [
     (9, 3, 64, 16), (4, 4, 32, 5), (32, 2, 16, 1), (8, 1, 128, 48)])
 def test_keys_transposed_once_per_head_give_the_bits_of_each_task_transposing_its_own(
-        num_heads, num_kv_heads, head_dim, block_size, monkeypatch):
+        num_heads, num_kv_heads, head_dim, block_size):
     """The kernel transposes a sequence's keys once for all its tasks, up to a size; past it each task
     transposes its own tiles, whose keys past the task's last position are zeros, not real keys: masked
     either way, so every bit is the same."""
     import ctypes
-    knob = ctypes.c_int64.in_dll(cpu_kernels._library(), "pdserve_prefill_shared_keys_max_bytes")
+    lib = cpu_kernels._library()
+    knob = ctypes.c_int64.in_dll(lib, "pdserve_prefill_shared_keys_max_bytes")
+    calls = ctypes.c_int64.in_dll(lib, "pdserve_prefill_shared_keys_calls")
     query_lens = [1, 31, 33, 100, 7, 300]
     seq_lens = [20, 31, 80, 100, 207, 300]
     kv_layer, table = make_cache(seq_lens, num_kv_heads, head_dim, block_size, fill=float("nan"))
     q = fused_queries(sum(query_lens), num_heads, head_dim, num_kv_heads)
     md = metadata(query_lens, seq_lens, table, block_size)
+    before = calls.value
     shared = paged_attention(q, kv_layer, md, head_dim ** -0.5)
     saved = knob.value
     try:
@@ -82,8 +85,23 @@ def test_keys_transposed_once_per_head_give_the_bits_of_each_task_transposing_it
         own = paged_attention(q, kv_layer, md, head_dim ** -0.5)
     finally:
         knob.value = saved
-    assert saved > 0 and torch.isfinite(shared).all()
+    assert calls.value == before + 1   # the shared path ran once, the second call took the tasks' own
+    assert torch.isfinite(shared).all()
     assert torch.equal(shared, own)
+
+
+def test_short_chunks_transpose_their_own_tiles():
+    """A sequence whose chunk is one task per KV head gains nothing from sharing: none is shared."""
+    import ctypes
+    calls = ctypes.c_int64.in_dll(cpu_kernels._library(), "pdserve_prefill_shared_keys_calls")
+    query_lens, seq_lens = [5, 32], [400, 90]   # 32 positions of the default model's 96-row tasks
+    kv_layer, table = make_cache(seq_lens, 3, 64, 16)
+    q = fused_queries(sum(query_lens), 9, 64, 3)
+    md = metadata(query_lens, seq_lens, table, 16)
+    before = calls.value
+    out = paged_attention(q, kv_layer, md, 0.125)
+    assert calls.value == before
+    torch.testing.assert_close(out, paged_attention_reference(q, kv_layer, md, 0.125), rtol=1e-5, atol=2e-6)
 
 
 def test_the_kernel_serves_the_step(monkeypatch):

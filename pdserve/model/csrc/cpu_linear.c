@@ -276,8 +276,9 @@ void pdserve_linear(const float *x, int64_t ldx, const float *packed, const floa
                     used = tile_panels == 4 && p + 3 < p_end ? 4 : p + 1 < p_end ? 2 : 1;
                     /* the last panel of the tile may be the last, partial one */
                     const int cols = n - (p + used - 1) * NR < NR ? n - (p + used - 1) * NR : NR;
-                    const float *pf = pdserve_linear_prefetch && p + used < panels ? panel + (int64_t)used * k * NR
-                                                                                    : NULL;
+                    /* (the tile asks for `used` panels after its own: only where they all exist) */
+                    const float *pf = pdserve_linear_prefetch && p + 2 * used <= panels
+                                      ? panel + (int64_t)used * k * NR : NULL;
                     if (used == 4) row_tiles(TILES4, MR4, x, ldx, panel, k, out, ldy, cols, b, r_begin, r_end, pf);
                     else if (used == 2) row_tiles(TILES2, MR, x, ldx, panel, k, out, ldy, cols, b, r_begin, r_end, pf);
                     else row_tiles(TILES, MR, x, ldx, panel, k, out, ldy, cols, b, r_begin, r_end, pf);

@@ -256,6 +256,8 @@ static void task(const float *q, int64_t ldq, const float *kv, const int32_t *bl
 /* The most bytes of transposed keys one call shares between its tasks; 0: every task transposes its own
  * tiles (the A/B's other side, and the path taken past this size). */
 int64_t pdserve_prefill_shared_keys_max_bytes = (int64_t)256 << 20;
+/* Calls that shared transposed keys (read by the tests: the shared path did run) */
+int64_t pdserve_prefill_shared_keys_calls = 0;
 
 /* The prefill sequences of a step. Sequence i's query tokens are rows [query_start[i], query_start[i+1])
  * of q (row stride ldq floats; [heads][dim] dense in a row) and of out ([T][heads][dim] dense); they are
@@ -268,7 +270,8 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
                               const int32_t *query_start, const int32_t *seq_lens, float *out, int num_seqs,
                               int max_blocks, int num_blocks, int64_t block_stride, int64_t kv_stride,
                               int block_size, int num_heads, int num_kv_heads, int head_dim, float scale) {
-    if (num_kv_heads < 1 || num_heads < 1 || num_heads % num_kv_heads != 0 || block_size < 1) return -1;
+    if (num_seqs < 0 || num_kv_heads < 1 || num_heads < 1 || num_heads % num_kv_heads != 0 || block_size < 1)
+        return -1;
     const int group = num_heads / num_kv_heads;
     if (group > 16 || !(head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128)) return -1;
     const int per_task = TASK_ROWS / group > 0 ? TASK_ROWS / group : 1;   /* positions per task */
@@ -301,22 +304,26 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
     }
     /* Each sequence's keys, transposed once per KV head for all its tasks ([dim][len rounded up to KT],
      * zeros past len): a task per block of query positions transposed every tile it read, again for each
-     * task (9 % of the kernel's time at 2,048 tokens). Past pdserve_prefill_shared_keys_max_bytes in all,
-     * the tasks transpose their own tiles as before. */
+     * task (9 % of the kernel's time at 2,048 tokens). A sequence of one task per head (a short chunk) is
+     * left out, its task's tiles staying in its own small buffer; past
+     * pdserve_prefill_shared_keys_max_bytes in all, every task transposes its own tiles. */
     int64_t *keys_off = malloc(sizeof(int64_t) * 2 * ((int64_t)num_seqs + 1));
     if (keys_off == NULL) {
         free(list);
         return -1;
     }
-    int64_t *units_before = keys_off + num_seqs + 1;   /* transposed tiles of the sequences before s */
+    int64_t *units_before = keys_off + num_seqs + 1;   /* (KV head, tile) units of the sequences before s */
     keys_off[0] = units_before[0] = 0;
     for (int s = 0; s < num_seqs; s++) {
-        const int64_t tiles = ((int64_t)seq_lens[s] + KT - 1) / KT;
+        const int32_t query_len = query_start[s + 1] - query_start[s];
+        const int64_t tiles = query_len > per_task ? ((int64_t)seq_lens[s] + KT - 1) / KT : 0;
         keys_off[s + 1] = keys_off[s] + (int64_t)num_kv_heads * head_dim * tiles * KT;
         units_before[s + 1] = units_before[s] + num_kv_heads * tiles;
     }
-    float *keys_t = keys_off[num_seqs] * (int64_t)sizeof(float) <= pdserve_prefill_shared_keys_max_bytes
-                    ? malloc(sizeof(float) * (keys_off[num_seqs] > 0 ? keys_off[num_seqs] : 1)) : NULL;
+    float *keys_t = keys_off[num_seqs] > 0 && keys_off[num_seqs] * (int64_t)sizeof(float)
+                                               <= pdserve_prefill_shared_keys_max_bytes
+                    ? malloc(sizeof(float) * keys_off[num_seqs]) : NULL;
+    if (keys_t) pdserve_prefill_shared_keys_calls++;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
@@ -353,10 +360,11 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
             const int last = first + per_task - 1 < seq_lens[s] - 1 ? first + per_task - 1 : seq_lens[s] - 1;
             float *kt = buf, *sc = kt + MAX_DIM * KT, *o = sc + MAX_ROWS * KT, *m = o + MAX_ROWS * MAX_DIM;
             const int64_t ldk = ((int64_t)seq_lens[s] + KT - 1) / KT * KT;
+            const int shared = keys_t && keys_off[s + 1] > keys_off[s];
             task(q + (int64_t)query_start[s] * ldq, ldq, kv, block_tables + (int64_t)s * max_blocks, block_stride,
                  kv_stride, block_size, num_kv_heads, group, head_dim, g, start, first, last, scale,
                  out + (int64_t)query_start[s] * num_heads * head_dim,
-                 keys_t ? keys_t + keys_off[s] + (int64_t)g * head_dim * ldk : NULL, ldk, kt, sc, o, m,
+                 shared ? keys_t + keys_off[s] + (int64_t)g * head_dim * ldk : NULL, ldk, kt, sc, o, m,
                  m + MAX_ROWS + 16, m + 2 * (MAX_ROWS + 16));
         }
         free(buf);
