@@ -142,7 +142,14 @@ def _must_be_one(value: int) -> int:
 
 
 def _refuse_logprobs(value: Any) -> Any:
-    if value not in (False, 0):   # the completions API counts them, the chat API switches them on
+    if value not in (False, 0):   # chat: logprobs switches them on, top_logprobs counts them (0 with it off)
+        raise _invalid("logprobs are not supported")
+    return value
+
+
+def _refuse_completion_logprobs(value: Any) -> Any:
+    # /v1/completions' logprobs is a count of alternatives, and 0 still asks for the sampled token's
+    if value is not None and value is not False:
         raise _invalid("logprobs are not supported")
     return value
 
@@ -406,6 +413,7 @@ class CompletionRequest(_Request):
     max_tokens: Optional[TokenCount] = Field(16, validation_alias=AliasChoices("max_completion_tokens",
                                                                                "max_tokens"))   # OpenAI's default
     prompt: Prompt
+    logprobs: Annotated[Any, PlainValidator(_refuse_completion_logprobs)] = None
     echo: Annotated[StrictBool, AfterValidator(_refuse_echo)] = False
     suffix: Annotated[Any, _neutral_only("")] = None
 
@@ -422,6 +430,8 @@ class ChatCompletionRequest(_Request):
     @model_validator(mode="after")
     def _content_as_the_template_reads_it(self) -> Self:
         for i, message in enumerate(self.messages):
+            if message["role"] == "developer":   # OpenAI's newer name for the system message
+                message["role"] = "system"   # (a template that does not know it would render a literal turn)
             if message.get("content") is None:
                 if message["role"] != "assistant":   # an assistant turn may be only tool calls
                     # Raised as is (pydantic passes it through): only this names the field inside the message.

@@ -410,7 +410,7 @@ class OpenAIServer:
         if model is not None and not isinstance(model, str):
             raise ProtocolError(400, f"model: expected a string, got {type(model).__name__}", "model")
         if model is not None and model != self.engine.served_model_name:
-            raise ProtocolError(400, f"the model {model!r} does not exist; this server serves "
+            raise ProtocolError(404, f"the model {model!r} does not exist; this server serves "   # as OpenAI's
                                      f"{self.engine.served_model_name!r}", "model")
 
     def _require_tokenizer(self) -> Any:

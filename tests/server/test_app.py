@@ -92,6 +92,25 @@ def test_completion_token_ids_carry_sampling_params():
     assert resp.choices[0].text == "t4 t5 t6 t7 t8 " and resp.choices[0].finish_reason == "stop"
 
 
+def test_a_developer_message_is_the_system_message():
+    """OpenAI's newer name for the system message: the template, which knows only "system", rendered a
+    literal developer turn after its own default system prompt (a hostile-client check)."""
+    engine = tiny_engine()
+
+    async def main():
+        async with openai_client(engine) as client:
+            for role in ("developer", "system"):
+                await client.chat.completions.create(
+                    model="fake-model", max_completion_tokens=1,
+                    messages=[{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}])
+
+    run(main())
+    developer, system = (call.prompt_token_ids for call in engine.calls)
+    assert developer == system == TOKENIZER.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
 def test_chat_completion_uses_chat_template():
     engine = tiny_engine(num_cached_tokens=2)
     messages = [{"role": "system", "content": "hello"},
@@ -241,7 +260,7 @@ async def _post(url: str, path: str, body, headers=None) -> tuple[int, dict]:
     ("/v1/completions", {"prompt": "hello", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hello", "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hello", "model": "gpt-4"}, 400, "model"),
+    ("/v1/completions", {"prompt": "hello", "model": "gpt-4"}, 404, "model"),   # as OpenAI answers it
     ("/v1/completions", {"prompt": list(range(64))}, 400, "prompt"),            # prompt + 1 > max_model_len
     ("/v1/completions", {"prompt": list(range(60)), "max_tokens": 5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
@@ -328,7 +347,7 @@ def test_api_key_unknown_route_and_wrong_method():
 def test_openai_client_sees_api_errors():
     async def main():
         async with openai_client(tiny_engine()) as client:
-            with pytest.raises(openai.BadRequestError):
+            with pytest.raises(openai.NotFoundError):   # as OpenAI answers an unknown model (was a 400)
                 await client.completions.create(model="other", prompt="hello")
             with pytest.raises(openai.BadRequestError) as e:
                 await client.completions.create(model="fake-model", prompt="hello", n=2)

@@ -159,7 +159,7 @@ def _kwargs(n):
     (completion(frequency_penalty=0.0), completion(frequency_penalty=2.01), "frequency_penalty"),
     (completion(n=1), completion(n=2), "n"),
     (completion(best_of=1), completion(best_of=2), "best_of"),
-    (completion(logprobs=0), completion(logprobs=1), "logprobs"),
+    (completion(logprobs=None), completion(logprobs=0), "logprobs"),   # 0 still asks for the sampled token's
     (chat(logprobs=False), chat(logprobs=True), "logprobs"),
     (chat(top_logprobs=0), chat(top_logprobs=1), "top_logprobs"),
     # not implemented, so refused unless neutral: they were validated, then silently ignored (a new-user check)
