@@ -14,15 +14,10 @@ mkdir -p "$OUT"
 PD_PORT=18101 VLLM_PORT=18102
 . "$HERE/serve_bench_lib.sh"
 
-setsid .venv/bin/pdserve serve --host 127.0.0.1 --port $PD_PORT --served-model-name smollm2 \
-  > "$OUT/pdserve_server_run$TAG.log" 2>&1 &
-PD_PID=$!
+start_pdserve $PD_PORT "$OUT/pdserve_server_run$TAG.log"
 wait_ready $PD_PORT 300 && bench pdserve $PD_PORT
 stop $PD_PID
 
-( . "$ANCHOR/env.sh"
-  exec setsid "$ANCHORS/vllm-venv/bin/python" "$ANCHOR/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port $VLLM_PORT \
-    --dtype float32 --max-model-len 2048 --served-model-name smollm2 --seed 0 ) > "$OUT/vllm_server_run$TAG.log" 2>&1 &
-VLLM_PID=$!
+start_vllm $VLLM_PORT "$OUT/vllm_server_run$TAG.log"
 wait_ready $VLLM_PORT 900 && bench vllm $VLLM_PORT
 stop $VLLM_PID

