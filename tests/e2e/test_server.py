@@ -51,7 +51,7 @@ def test_errors(server, client):
         client.completions.create(model="default", prompt="hi", max_tokens=10, n=2)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="default", prompt=[5] * 3000, max_tokens=10)  # over max-model-len
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):   # as OpenAI answers an unknown model
         client.completions.create(model="no-such-model", prompt="hi")
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="default", prompt="hi", temperature=-1)
