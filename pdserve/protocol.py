@@ -12,9 +12,10 @@ field the OpenAI way (`messages[2].role`); the server turns it into an OpenAI-st
 Unknown fields are ignored, so clients that send vendor extras (user, metadata, ...) keep working,
 and null means "not given". OpenAI fields pdserve does not implement (n > 1, logprobs, echo, penalties,
 logit_bias, tools and functions, a response_format other than text, suffix; vLLM's repetition_penalty,
-min_p, min_tokens, guided decoding, allowed_token_ids, bad_words, beam search and the like) are accepted at the value that asks for nothing and refused (400)
-otherwise, never silently ignored. `kv_transfer_params` travels as an opaque dict with vLLM's field names
-(see kv_transfer/base.py); the engine checks its contents.
+min_p, min_tokens, guided decoding, allowed_token_ids, bad_words, beam search and the like) are accepted
+at the value that asks for nothing and refused (400) otherwise, never silently ignored.
+`kv_transfer_params` travels as an opaque dict with vLLM's field names (see kv_transfer/base.py); the
+engine checks its contents.
 
 Pure Python and pydantic: no torch, no aiohttp, so the proxy and the benchmark client can import it anywhere.
 """
@@ -143,13 +144,6 @@ def _must_be_one(value: int) -> int:
 
 def _refuse_logprobs(value: Any) -> Any:
     if value not in (False, 0):   # chat: logprobs switches them on, top_logprobs counts them (0 with it off)
-        raise _invalid("logprobs are not supported")
-    return value
-
-
-def _refuse_completion_logprobs(value: Any) -> Any:
-    # /v1/completions' logprobs is a count of alternatives, and 0 still asks for the sampled token's
-    if value is not None and value is not False:
         raise _invalid("logprobs are not supported")
     return value
 
@@ -413,7 +407,8 @@ class CompletionRequest(_Request):
     max_tokens: Optional[TokenCount] = Field(16, validation_alias=AliasChoices("max_completion_tokens",
                                                                                "max_tokens"))   # OpenAI's default
     prompt: Prompt
-    logprobs: Annotated[Any, PlainValidator(_refuse_completion_logprobs)] = None
+    # a count of alternatives here, and 0 still asks for the sampled token's logprob
+    logprobs: Annotated[Any, _neutral_only(False, what="logprobs")] = None
     echo: Annotated[StrictBool, AfterValidator(_refuse_echo)] = False
     suffix: Annotated[Any, _neutral_only("")] = None
 
