@@ -61,47 +61,21 @@ def test_the_kernel_matches_torch(num_heads, num_kv_heads, head_dim, block_size)
                                rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [
-    (9, 3, 64, 16), (4, 4, 32, 5), (32, 2, 16, 1), (8, 1, 128, 48)])
-def test_keys_transposed_once_per_head_give_the_bits_of_each_task_transposing_its_own(
-        num_heads, num_kv_heads, head_dim, block_size):
-    """The kernel transposes a sequence's keys once for all its tasks, up to a size; past it each task
-    transposes its own tiles, whose keys past the task's last position are zeros, not real keys: masked
-    either way, so every bit is the same."""
-    import ctypes
-    lib = cpu_kernels._library()
-    knob = ctypes.c_int64.in_dll(lib, "pdserve_prefill_shared_keys_max_bytes")
-    calls = ctypes.c_int64.in_dll(lib, "pdserve_prefill_shared_keys_calls")
-    query_lens = [1, 31, 33, 100, 7, 300]
-    seq_lens = [20, 31, 80, 100, 207, 300]
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (32, 2, 16), (8, 1, 128), (4, 4, 32)])
+def test_every_count_of_row_vectors_a_task_can_have(num_heads, num_kv_heads, head_dim):
+    """A task holds its rows in vectors of 8 or 16 lanes, in micro-tiles of up to three: chunks of 1 to 40
+    tokens give every count from one partly filled vector to a task's full six (twelve with AVX2) and every
+    remainder, each against torch, each over keys that do not fill the last tile."""
+    block_size = 16
+    query_lens = list(range(1, 41))
+    seq_lens = [q + 37 for q in query_lens]
     kv_layer, table = make_cache(seq_lens, num_kv_heads, head_dim, block_size, fill=float("nan"))
     q = fused_queries(sum(query_lens), num_heads, head_dim, num_kv_heads)
     md = metadata(query_lens, seq_lens, table, block_size)
-    before = calls.value
-    shared = paged_attention(q, kv_layer, md, head_dim ** -0.5)
-    saved = knob.value
-    try:
-        knob.value = 0
-        own = paged_attention(q, kv_layer, md, head_dim ** -0.5)
-    finally:
-        knob.value = saved
-    assert calls.value == before + 1   # the shared path ran once, the second call took the tasks' own
-    assert torch.isfinite(shared).all()
-    assert torch.equal(shared, own)
-
-
-def test_short_chunks_transpose_their_own_tiles():
-    """A sequence whose chunk is one task per KV head gains nothing from sharing: none is shared."""
-    import ctypes
-    calls = ctypes.c_int64.in_dll(cpu_kernels._library(), "pdserve_prefill_shared_keys_calls")
-    query_lens, seq_lens = [5, 32], [400, 90]   # 32 positions of the default model's 96-row tasks
-    kv_layer, table = make_cache(seq_lens, 3, 64, 16)
-    q = fused_queries(sum(query_lens), 9, 64, 3)
-    md = metadata(query_lens, seq_lens, table, 16)
-    before = calls.value
-    out = paged_attention(q, kv_layer, md, 0.125)
-    assert calls.value == before
-    torch.testing.assert_close(out, paged_attention_reference(q, kv_layer, md, 0.125), rtol=1e-5, atol=2e-6)
+    out = paged_attention(q, kv_layer, md, head_dim ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, paged_attention_reference(q, kv_layer, md, head_dim ** -0.5),
+                               rtol=1e-5, atol=2e-6)
 
 
 def test_the_kernel_serves_the_step(monkeypatch):
@@ -200,16 +174,19 @@ def test_the_reference_backend_takes_torch(monkeypatch):
 
 
 @pytest.mark.skipif("avx512f" not in cpu_kernels.cpu_flags(), reason="the AVX-512 build is made only here")
-def test_the_avx512_build_gives_the_avx2_builds_numbers_to_the_bit(tmp_path):
-    """P on an AVX2 machine and D on an AVX-512 one must agree on a prompt's KV and first token."""
+@pytest.mark.parametrize("query_lens, seq_lens", [([40, 130], [40, 200]),
+                                                  (list(range(1, 34)), list(range(50, 83)))])
+def test_the_avx512_build_gives_the_avx2_builds_numbers_to_the_bit(tmp_path, query_lens, seq_lens):
+    """P on an AVX2 machine and D on an AVX-512 one must agree on a prompt's KV and first token (the
+    second case: every count of row vectors either build's tasks can have)."""
     import ctypes
+    import itertools
     import shutil
     import subprocess
     compiler = shutil.which("gcc") or shutil.which("cc")
-    query_lens, seq_lens = [40, 130], [40, 200]
     kv_layer, table = make_cache(seq_lens, 3, 64, 16)
     q = fused_queries(sum(query_lens), 9, 64, 3)
-    starts = torch.tensor([0, 40, 170], dtype=torch.int32)
+    starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     outputs = []
     for name, arch in (("avx2", ["-mavx2", "-mfma"]), ("avx512", ["-march=native"])):
@@ -223,7 +200,7 @@ def test_the_avx512_build_gives_the_avx2_builds_numbers_to_the_bit(tmp_path):
             ctypes.c_int64] * 2 + [ctypes.c_int] * 4 + [ctypes.c_float]
         out = torch.empty(q.shape)
         assert fn(q.data_ptr(), q.stride(0), kv_layer.data_ptr(), table.data_ptr(), starts.data_ptr(),
-                  lens.data_ptr(), out.data_ptr(), 2, table.shape[1], kv_layer.shape[0], kv_layer.stride(0),
+                  lens.data_ptr(), out.data_ptr(), len(seq_lens), table.shape[1], kv_layer.shape[0], kv_layer.stride(0),
                   kv_layer.stride(1), 16, 9, 3, 64, 0.125) == 0
         outputs.append(out)
     assert torch.equal(outputs[0], outputs[1])

@@ -6,16 +6,20 @@
  * of the cache; its matmuls run at ATen's GEMM rate there, under half of what the FMA units give.
  *
  * A task is one sequence's KV head and a block of its query positions: the rows are (position, query
- * head of that KV head's group), so each key and value read serves every head that shares it. Keys come
- * in tiles of KT in position order; per tile: scores of all rows (a GEMM-like tile: broadcasts of q
- * against the tile's keys, transposed once per tile into Kt), then the online softmax (running maximum
- * m, sum l, output O rescaled by e^(m_old - m_new)), then O += P V (broadcasts of P against value rows).
+ * head of that KV head's group), so each key and value read serves every head that shares it. The task
+ * holds its rows transposed, a row per vector lane: Q^T [dim][rows], the scores S^T [key][rows] and
+ * O^T [dim][rows]. Keys come in tiles of KT in position order; per tile: the scores (a GEMM tile: Q^T
+ * vectors against broadcasts of the keys, read in place from the cache), then the online softmax (running
+ * maximum m, sum l, O rescaled by e^(m_old - m_new)), then O^T += V^T P^T (P^T vectors against broadcasts
+ * of the values). With rows in the lanes, the softmax's maxima and sums over a tile's keys are vector
+ * operations, not reductions across one register's lanes, and a broadcast serves six vectors of rows.
  *
  * Every row's numbers are the same whatever else is in its task, its step or its chunk: a row goes
- * through the tiles 0, 1, ... in order, each score is one FMA chain over the head dimension, and a tile
- * past the row's position changes nothing (its probabilities are exactly 0, its maximum is -inf, so
- * the rescale factor is e^0 = 1, exactly; O never holds -0, so adding 0 V leaves it as it was). So
- * chunked prefill gives the bits unchunked prefill gives, and P's prefill the bits of a colocated one.
+ * through the tiles 0, 1, ... in order, each score is one FMA chain over the head dimension, a tile's sum
+ * of probabilities is taken in one fixed order, and a tile past the row's position changes nothing (its
+ * probabilities are exactly 0, its maximum is -inf, so the rescale factor is e^0 = 1, exactly; O never
+ * holds -0, so adding 0 V leaves it as it was). So chunked prefill gives the bits unchunked prefill gives,
+ * and P's prefill the bits of a colocated one.
  */
 #include <math.h>
 #include <omp.h>
@@ -27,15 +31,21 @@
 
 #define KT 32            /* keys per tile: one online-softmax rescale per tile */
 #define TASK_ROWS 96     /* query rows a task aims for (positions x heads of the group) */
-#define MAX_ROWS TASK_ROWS   /* whole positions of a group of up to 16 heads fit in TASK_ROWS */
 #define MAX_DIM 128
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 typedef __m512 vf;
+typedef v16 vv;          /* the same register, for the softmax's lane-wise arithmetic */
+typedef v16i vvi;
 #define LANES 16
-#define S_ROWS 12        /* score tile: 12 rows x 32 keys, 24 accumulators of 32 registers */
-#define ACC_REGS 24
+#define vexp exp16
+/* Micro-tiles: SK keys x SC row vectors of scores, SD dimensions x SC row vectors of O: 24 accumulators
+ * and the SC row vectors in registers, eleven loads and broadcasts per 24 FMAs. (At 4 keys x 6 row
+ * vectors GCC left the row vectors in memory, reloading each for every key: 1.35x slower here.) */
+#define SK 8
+#define SC 3
+#define SD 8
 static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf vset1(float a) { return _mm512_set1_ps(a); }
@@ -44,9 +54,13 @@ static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
 #else
 typedef v8 vf;
+typedef v8 vv;
+typedef v8i vvi;
 #define LANES 8
-#define S_ROWS 3         /* 3 rows x 32 keys, 12 accumulators of 16 registers */
-#define ACC_REGS 12
+#define vexp exp8
+#define SK 4             /* 12 accumulators and 3 row vectors of the sixteen registers */
+#define SC 3
+#define SD 4
 static inline vf vload(const float *p) { return load8(p); }
 static inline void vstore(float *p, vf v) { store8(p, v); }
 static inline vf vset1(float a) { return (v8){a, a, a, a, a, a, a, a}; }
@@ -54,210 +68,194 @@ static inline vf vfma(vf a, vf b, vf c) { return fma8(a, b, c); }
 static inline vf vmul(vf a, vf b) { return a * b; }
 static inline vf vzero(void) { return (v8){0}; }
 #endif
-#define KV (KT / LANES)  /* vectors per tile row of keys */
+_Static_assert(KT % SK == 0 && 16 % SD == 0 && SC == 3, "a tile's keys in whole micro-tiles, head sizes in whole SD");
+#define MAX_VECS (TASK_ROWS / LANES)   /* row vectors of a task: whole positions of a group of up to 16 heads fit */
 
-/* Scores of S_ROWS rows (rows[i]: the query row, head_dim floats) against the tile's keys, kt [dim][KT]
- * with rows ldk floats apart: s[i][j] = sum over d, in order, of rows[i][d] * key_j[d]. Rows past n point
- * at a real row and are computed but not stored. */
-static inline __attribute__((always_inline)) void score_tile(const float *const *rows, int n, const float *kt,
-                                                           int64_t ldk, int dim, float *s) {
-    vf acc[S_ROWS][KV];
-    for (int i = 0; i < S_ROWS; i++)
-        for (int c = 0; c < KV; c++) acc[i][c] = vzero();
-    for (int d = 0; d < dim; d++) {
-        vf b[KV];
-        for (int c = 0; c < KV; c++) b[c] = vload(kt + d * ldk + c * LANES);
-        for (int i = 0; i < S_ROWS; i++) {
-            const vf a = vset1(rows[i][d]);
-            for (int c = 0; c < KV; c++) acc[i][c] = vfma(a, b[c], acc[i][c]);
+/* Scores of row vectors [0, NC) of qt (Q^T, [dim][ld]) against SK keys (keys[j]: dim floats):
+ * st[j][rows] = sum over d, in order, of q_row[d] * key_j[d], one FMA chain. */
+#define DEFINE_SCORE(NC)                                                                                 \
+static void score_##NC(const float *qt, int ld, const float *const *keys, int dim, float *st) {         \
+    vf acc[SK][NC];                                                                                      \
+    for (int j = 0; j < SK; j++)                                                                         \
+        for (int c = 0; c < NC; c++) acc[j][c] = vzero();                                                \
+    for (int d = 0; d < dim; d++) {                                                                      \
+        vf a[NC];                                                                                        \
+        for (int c = 0; c < NC; c++) a[c] = vload(qt + d * ld + c * LANES);                              \
+        for (int j = 0; j < SK; j++) {                                                                   \
+            const vf b = vset1(keys[j][d]);                                                              \
+            for (int c = 0; c < NC; c++) acc[j][c] = vfma(a[c], b, acc[j][c]);                           \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int j = 0; j < SK; j++)                                                                         \
+        for (int c = 0; c < NC; c++) vstore(st + j * ld + c * LANES, acc[j][c]);                         \
+}
+
+/* O^T rows [d0, d0 + SD), row vectors [0, NC): scaled by their alpha (0 when `fresh`, the task's first
+ * tile: O^T is not read then, and 0 * 0 was +0 too), plus p[j][rows] * value_j[d] over the tile's nk
+ * keys, in key order. */
+#define DEFINE_PV(NC)                                                                                    \
+static void pv_##NC(float *ot, int ld, const float *st, const float *alpha, const float *const *values,  \
+                    int d0, int nk, int fresh) {                                                         \
+    vf acc[SD][NC];                                                                                      \
+    for (int c = 0; c < NC; c++) {                                                                       \
+        const vf a = vload(alpha + c * LANES);                                                           \
+        for (int i = 0; i < SD; i++)                                                                     \
+            acc[i][c] = fresh ? vzero() : vmul(vload(ot + (d0 + i) * ld + c * LANES), a);                \
+    }                                                                                                    \
+    for (int j = 0; j < nk; j++) {                                                                       \
+        vf p[NC];                                                                                        \
+        for (int c = 0; c < NC; c++) p[c] = vload(st + j * ld + c * LANES);                              \
+        for (int i = 0; i < SD; i++) {                                                                   \
+            const vf b = vset1(values[j][d0 + i]);                                                       \
+            for (int c = 0; c < NC; c++) acc[i][c] = vfma(p[c], b, acc[i][c]);                           \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int i = 0; i < SD; i++)                                                                         \
+        for (int c = 0; c < NC; c++) vstore(ot + (d0 + i) * ld + c * LANES, acc[i][c]);                  \
+}
+
+DEFINE_SCORE(1)
+DEFINE_SCORE(2)
+DEFINE_SCORE(3)
+DEFINE_PV(1)
+DEFINE_PV(2)
+DEFINE_PV(3)
+
+static void scores(const float *qt, int ld, int nv, const float *const *keys, int nk, int dim, float *st) {
+    for (int j = 0; j < nk; j += SK)
+        for (int c = 0; c < nv; c += SC) {
+            const float *a = qt + c * LANES;
+            float *s = st + j * ld + c * LANES;
+            switch (nv - c < SC ? nv - c : SC) {
+                case 1: score_1(a, ld, keys + j, dim, s); break;
+                case 2: score_2(a, ld, keys + j, dim, s); break;
+                default: score_3(a, ld, keys + j, dim, s); break;
+            }
         }
-    }
-    for (int i = 0; i < n; i++)
-        for (int c = 0; c < KV; c++) vstore(s + i * KT + c * LANES, acc[i][c]);
 }
 
-static inline v16 max16(v16 a, v16 b) {
-    const v16i greater = a > b;
-    return (v16)(((v16i)a & greater) | ((v16i)b & ~greater));
+static void accumulate_values(float *ot, int ld, int nv, const float *st, const float *alpha,
+                              const float *const *values, int nk, int dim, int fresh) {
+    for (int d0 = 0; d0 < dim; d0 += SD)
+        for (int c = 0; c < nv; c += SC) {
+            float *o = ot + c * LANES;
+            const float *s = st + c * LANES, *a = alpha + c * LANES;
+            switch (nv - c < SC ? nv - c : SC) {
+                case 1: pv_1(o, ld, s, a, values, d0, nk, fresh); break;
+                case 2: pv_2(o, ld, s, a, values, d0, nk, fresh); break;
+                default: pv_3(o, ld, s, a, values, d0, nk, fresh); break;
+            }
+        }
 }
 
-/* Every lane the largest of v's, or their sum (in one fixed order): halves, quarters, eighths, pairs. */
-static inline v16 all_max16(v16 v) {
-    const v16i swaps[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
-                           {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
-                           {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
-                           {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
-    for (int i = 0; i < 4; i++) v = max16(v, __builtin_shuffle(v, swaps[i]));
+static inline vv vload_vv(const float *p) {
+    vv v;
+    memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline float sum16(v16 v) {
-    const v16i swaps[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
-                           {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
-                           {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
-                           {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
-    for (int i = 0; i < 4; i++) v = v + __builtin_shuffle(v, swaps[i]);
-    return v[0];
+static inline void vstore_vv(float *p, vv v) { memcpy(p, &v, sizeof v); }
+
+static inline vv vmax(vv a, vv b) {
+    const vvi greater = a > b;
+    return (vv)(((vvi)a & greater) | ((vvi)b & ~greater));
 }
 
-/* Which of a row's tile keys it sees: the first `visible` (none when visible <= 0). */
-static inline void shown_keys(int visible, v16i shown[KT / 16]) {
-    const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int c = 0; c < KT / 16; c++) shown[c] = lane + (float)(16 * c) < (float)visible;
-}
-
-/* The online softmax over one tile for every row of a task: s [rows][KT] scores in, probabilities out
- * (exactly 0 for keys past a row's position); m and l the rows' running maxima and sums; alpha out,
- * the factor each row's O must be scaled by before this tile's values are added. A row at position
- * `first + r / group` sees the tile's keys k0 .. its position. Sixteen lanes at a time, and the rescale
- * factors sixteen rows at a time: the exponentials are a large share of the kernel's work. */
-static void softmax_tile(float *s, int rows, int group, int first, int k0, int nk, float scale, float *m,
-                         float *l, float *alpha) {
-    const v16 ninf = (v16){0} - INFINITY;
-    for (int r = 0; r < rows; r++) {
-        const int visible = first + r / group - k0 + 1;
-        v16i shown[KT / 16];
-        shown_keys(visible < nk ? visible : nk, shown);
-        v16 top = ninf;
-        for (int c = 0; c < KT / 16; c++) {
-            v16 x;
-            memcpy(&x, s + r * KT + 16 * c, sizeof x);
-            x = (v16)(((v16i)(x * scale) & shown[c]) | ((v16i)ninf & ~shown[c]));
-            memcpy(s + r * KT + 16 * c, &x, sizeof x);
-            top = max16(top, x);
+/* The online softmax over one tile, a vector of rows at a time: st [key][ld] scores in, probabilities
+ * out (exactly 0 for keys past a row's position), for the tile's keys k0 .. k0 + nk - 1; pos the rows'
+ * positions; m and l the rows' running maxima and sums; alpha out, the factor each row's O must be scaled
+ * by before this tile's values are added. `all_seen`: every row sees every key of the tile (no masks). */
+static void softmax_tile(float *st, int ld, int nv, const int32_t *pos, int k0, int nk, int all_seen,
+                         float scale, float *m, float *l, float *alpha) {
+    const vv ninf = (vv){0} - INFINITY, zero = {0};
+    for (int c = 0; c < nv; c++) {
+        float *s = st + c * LANES;
+        vvi row_pos;
+        memcpy(&row_pos, pos + c * LANES, sizeof row_pos);
+        vv top = ninf;
+        for (int j = 0; j < nk; j++) {
+            vv x = vload_vv(s + j * ld) * scale;
+            if (!all_seen) {
+                const vvi seen = (vvi){0} + (k0 + j) <= row_pos;
+                x = (vv)(((vvi)x & seen) | ((vvi)ninf & ~seen));
+            }
+            vstore_vv(s + j * ld, x);
+            top = vmax(top, x);
         }
-        const float tile_max = all_max16(top)[0];   /* the maximum does not depend on the order */
-        alpha[r] = m[r];                            /* m_old, until the pass below */
-        m[r] = tile_max > m[r] ? tile_max : m[r];
-    }
-    /* e^(m_old - m_new): exactly 1 when the maximum stays (e^0 is 1 in exp16); 0 on the first tile, where
-     * O and l are still 0 */
-    for (int r = 0; r < rows; r += 16) {
-        v16 old, new;
-        memcpy(&old, alpha + r, sizeof old);   /* alpha and m hold MAX_ROWS + 16 floats */
-        memcpy(&new, m + r, sizeof new);
-        const v16i started = old > ninf;
-        v16 factor = (v16)((v16i)exp16(old - new) & started);
-        memcpy(alpha + r, &factor, sizeof factor);
-    }
-    for (int r = 0; r < rows; r++) {
-        const int visible = first + r / group - k0 + 1;
-        v16i shown[KT / 16];
-        shown_keys(visible < nk ? visible : nk, shown);
-        const v16 top = (v16){0} + m[r];
-        v16 total = {0};
-        for (int c = 0; c < KT / 16; c++) {
-            v16 x;
-            memcpy(&x, s + r * KT + 16 * c, sizeof x);
-            const v16 p = (v16)((v16i)exp16(x - top) & shown[c]);
-            memcpy(s + r * KT + 16 * c, &p, sizeof p);
-            total += p;
+        const vv old = vload_vv(m + c * LANES);
+        const vv new = vmax(top, old);   /* top where it is greater, else the old maximum */
+        /* e^(m_old - m_new): exactly 1 when the maximum stays (e^0 is 1 in vexp); 0 on the first tile,
+         * where O and l are still 0 */
+        const vvi started = old > ninf;
+        const vv factor = (vv)((vvi)vexp(old - new) & started);
+        vstore_vv(m + c * LANES, new);
+        vstore_vv(alpha + c * LANES, factor);
+        for (int j = 0; j < nk; j++) {
+            vv p = vexp(vload_vv(s + j * ld) - new);
+            if (!all_seen) {
+                const vvi seen = (vvi){0} + (k0 + j) <= row_pos;
+                p = (vv)((vvi)p & seen);
+            }
+            vstore_vv(s + j * ld, p);
         }
-        l[r] = l[r] * alpha[r] + sum16(total);
-    }
-}
-
-/* O rows [r0, r0 + n) (dim floats each) scaled by their alpha, plus p[r][j] * value_j over the tile's nk
- * keys, in key order. PV_ROWS rows at a time, so each value row loaded serves them all. */
-#define DEFINE_PV(DIM)                                                                                   \
-static void pv_##DIM(float *o, const float *p, const float *alpha, const float *const *values, int nk,  \
-                     int rows) {                                                                         \
-    enum { VD = DIM / LANES > 0 ? DIM / LANES : 1, PV_ROWS = ACC_REGS / VD > 0 ? ACC_REGS / VD : 1 };    \
-    for (int r0 = 0; r0 < rows; r0 += PV_ROWS) {                                                         \
-        const int n = rows - r0 < PV_ROWS ? rows - r0 : PV_ROWS;                                         \
-        vf acc[PV_ROWS][VD];                                                                             \
-        for (int i = 0; i < PV_ROWS; i++) {                                                              \
-            const int r = r0 + (i < n ? i : 0);                                                          \
-            const vf a = vset1(alpha[r]);                                                                \
-            for (int c = 0; c < VD; c++) acc[i][c] = vmul(vload(o + r * DIM + c * LANES), a);            \
-        }                                                                                                \
-        for (int j = 0; j < nk; j++) {                                                                   \
-            vf v[VD];                                                                                    \
-            for (int c = 0; c < VD; c++) v[c] = vload(values[j] + c * LANES);                            \
-            for (int i = 0; i < PV_ROWS; i++) {                                                          \
-                const vf pj = vset1(p[(r0 + (i < n ? i : 0)) * KT + j]);                                 \
-                for (int c = 0; c < VD; c++) acc[i][c] = vfma(pj, v[c], acc[i][c]);                      \
-            }                                                                                            \
-        }                                                                                                \
-        for (int i = 0; i < n; i++)                                                                      \
-            for (int c = 0; c < VD; c++) vstore(o + (r0 + i) * DIM + c * LANES, acc[i][c]);              \
-    }                                                                                                    \
-}
-DEFINE_PV(16)
-DEFINE_PV(32)
-DEFINE_PV(64)
-DEFINE_PV(128)
-
-/* Keys [k0, k0 + KT) of KV head g, transposed into kt [dim][ldk] from column 0; positions past `end`
- * (exclusive) are zeros. */
-static void transpose_keys(const float *kv, const int32_t *block_table, int64_t block_stride, int block_size,
-                           int64_t slot_stride, int g, int dim, int k0, int end, float *kt, int64_t ldk) {
-    const int nk = end - k0 < KT ? end - k0 : KT;
-    const float *keys[KT];
-    for (int j = 0; j < nk; j++) {
-        const int pos = k0 + j;
-        keys[j] = kv + (int64_t)block_table[pos / block_size] * block_stride + (int64_t)(pos % block_size) * slot_stride
-                  + (int64_t)g * dim;
-    }
-    for (int d = 0; d < dim; d++) {
-        for (int j = 0; j < nk; j++) kt[d * ldk + j] = keys[j][d];
-        for (int j = nk; j < KT; j++) kt[d * ldk + j] = 0.0f;
+        /* The tile's sum, in the order that halving a 16-lane vector of p[j] + p[j + 16] gives (the
+         * kernel's first order, kept so that its numbers stay): keys past nk add 0. */
+        vv t[16];
+        for (int j = 0; j < 16; j++) {
+            const vv a = j < nk ? vload_vv(s + j * ld) : zero, b = j + 16 < nk ? vload_vv(s + (j + 16) * ld) : zero;
+            t[j] = a + b;
+        }
+        for (int half = 8; half >= 1; half /= 2)
+            for (int j = 0; j < half; j++) t[j] = t[j] + t[j + half];
+        vstore_vv(l + c * LANES, vload_vv(l + c * LANES) * factor + t[0]);
     }
 }
 
 /* One task: KV head g of a sequence, query positions [first, last] (absolute positions; the chunk's query
  * token t sits at position `start + t`). q rows of token t: q + t * ldq, heads dense; out the same
- * tokens, [heads][dim] dense per token. keys_t: the head's keys transposed once for every task,
- * [dim][ldk] (pdserve_prefill_attention), or NULL: each tile is transposed here into kt. A tile's keys
- * past `last` are then real keys, not zeros, but their scores are masked to -inf before they are used,
- * so a row's numbers are the same either way. */
+ * tokens, [heads][dim] dense per token. The buffers: qt and ot [dim][ld], st [KT][ld], m, l, alpha [ld],
+ * pos [ld], ld = MAX_VECS * LANES. */
 static void task(const float *q, int64_t ldq, const float *kv, const int32_t *block_table, int64_t block_stride,
                  int64_t kv_stride, int block_size, int num_kv_heads, int group, int dim, int g, int start,
-                 int first, int last, float scale, float *out, const float *keys_t, int64_t ldk, float *kt,
-                 float *s, float *o, float *m, float *l, float *alpha) {
+                 int first, int last, float scale, float *out, float *qt, float *st, float *ot, float *m, float *l,
+                 float *alpha, int32_t *pos) {
     const int positions = last - first + 1, rows = positions * group;
+    const int nv = (rows + LANES - 1) / LANES, ld = nv * LANES;
     const int64_t slot_stride = (int64_t)num_kv_heads * dim;
-    const float *row_ptr[MAX_ROWS + S_ROWS];
-    for (int r = 0; r < rows; r++)
-        row_ptr[r] = q + (int64_t)(first - start + r / group) * ldq + (int64_t)(g * group + r % group) * dim;
-    for (int r = rows; r < rows + S_ROWS; r++) row_ptr[r] = row_ptr[0];
-    for (int r = 0; r < rows + 16; r++) { m[r] = -INFINITY; l[r] = 0.0f; alpha[r] = 0.0f; }
-    memset(o, 0, sizeof(float) * rows * dim);
+    const float *row_ptr[MAX_VECS * LANES];
+    for (int r = 0; r < ld; r++) {
+        /* lanes past the rows: zeros, at the last row's position (computed, never stored) */
+        row_ptr[r] = r < rows ? q + (int64_t)(first - start + r / group) * ldq + (int64_t)(g * group + r % group) * dim
+                              : NULL;
+        pos[r] = first + (r < rows ? r : rows - 1) / group;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int d = 0; d < dim; d++) {   /* (rows read across, Q^T written along: stores in order) */
+        for (int r = 0; r < rows; r++) qt[d * ld + r] = row_ptr[r][d];
+        for (int r = rows; r < ld; r++) qt[d * ld + r] = 0.0f;
+    }
     for (int k0 = 0; k0 <= last; k0 += KT) {
         const int nk = last + 1 - k0 < KT ? last + 1 - k0 : KT;
-        const float *values[KT];
+        const float *keys[KT + SK], *values[KT];
         for (int j = 0; j < nk; j++) {
-            const int pos = k0 + j;
-            values[j] = kv + (int64_t)block_table[pos / block_size] * block_stride
-                        + (int64_t)(pos % block_size) * slot_stride + (int64_t)g * dim + kv_stride;
+            const int p = k0 + j;
+            keys[j] = kv + (int64_t)block_table[p / block_size] * block_stride + (int64_t)(p % block_size) * slot_stride
+                      + (int64_t)g * dim;
+            values[j] = keys[j] + kv_stride;
         }
-        const float *tile = keys_t ? keys_t + k0 : kt;
-        if (!keys_t)
-            transpose_keys(kv, block_table, block_stride, block_size, slot_stride, g, dim, k0, last + 1, kt, KT);
-        for (int r = 0; r < rows; r += S_ROWS)
-            score_tile(row_ptr + r, rows - r < S_ROWS ? rows - r : S_ROWS, tile, keys_t ? ldk : KT, dim,
-                       s + r * KT);
-        softmax_tile(s, rows, group, first, k0, nk, scale, m, l, alpha);
-        switch (dim) {
-            case 16: pv_16(o, s, alpha, values, nk, rows); break;
-            case 32: pv_32(o, s, alpha, values, nk, rows); break;
-            case 64: pv_64(o, s, alpha, values, nk, rows); break;
-            default: pv_128(o, s, alpha, values, nk, rows); break;
-        }
+        for (int j = nk; j < KT + SK; j++) keys[j] = keys[0];   /* a micro-tile's keys past nk: scored, never used */
+        scores(qt, ld, nv, keys, nk, dim, st);
+        softmax_tile(st, ld, nv, pos, k0, nk, k0 + KT - 1 <= first, scale, m, l, alpha);
+        accumulate_values(ot, ld, nv, st, alpha, values, nk, dim, k0 == 0);
     }
     for (int r = 0; r < rows; r++) {
         const float inv = 1.0f / l[r];
         float *dst = out + (int64_t)(first - start + r / group) * group * num_kv_heads * dim
                      + (int64_t)(g * group + r % group) * dim;
-        for (int d = 0; d < dim; d++) dst[d] = o[r * dim + d] * inv;
+        for (int d = 0; d < dim; d++) dst[d] = ot[d * ld + r] * inv;
     }
 }
-
-/* The most bytes of transposed keys one call shares between its tasks; 0: every task transposes its own
- * tiles (the A/B's other side, and the path taken past this size). */
-int64_t pdserve_prefill_shared_keys_max_bytes = (int64_t)256 << 20;
-/* Calls that shared transposed keys (read by the tests: the shared path did run) */
-int64_t pdserve_prefill_shared_keys_calls = 0;
 
 /* The prefill sequences of a step. Sequence i's query tokens are rows [query_start[i], query_start[i+1])
  * of q (row stride ldq floats; [heads][dim] dense in a row) and of out ([T][heads][dim] dense); they are
@@ -302,51 +300,11 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
                 n++;
             }
     }
-    /* Each sequence's keys, transposed once per KV head for all its tasks ([dim][len rounded up to KT],
-     * zeros past len): a task per block of query positions transposed every tile it read, again for each
-     * task (9 % of the kernel's time at 2,048 tokens). A sequence of one task per head (a short chunk) is
-     * left out, its task's tiles staying in its own small buffer; past
-     * pdserve_prefill_shared_keys_max_bytes in all, every task transposes its own tiles. */
-    int64_t *keys_off = malloc(sizeof(int64_t) * 2 * ((int64_t)num_seqs + 1));
-    if (keys_off == NULL) {
-        free(list);
-        return -1;
-    }
-    int64_t *units_before = keys_off + num_seqs + 1;   /* (KV head, tile) units of the sequences before s */
-    keys_off[0] = units_before[0] = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int32_t query_len = query_start[s + 1] - query_start[s];
-        const int64_t tiles = query_len > per_task ? ((int64_t)seq_lens[s] + KT - 1) / KT : 0;
-        keys_off[s + 1] = keys_off[s] + (int64_t)num_kv_heads * head_dim * tiles * KT;
-        units_before[s + 1] = units_before[s] + num_kv_heads * tiles;
-    }
-    float *keys_t = keys_off[num_seqs] > 0 && keys_off[num_seqs] * (int64_t)sizeof(float)
-                                               <= pdserve_prefill_shared_keys_max_bytes
-                    ? malloc(sizeof(float) * keys_off[num_seqs]) : NULL;
-    if (keys_t) pdserve_prefill_shared_keys_calls++;
-    const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        if (keys_t) {
-#pragma omp for schedule(static)
-            for (int64_t u = 0; u < units_before[num_seqs]; u++) {
-                int lo = 0, hi = num_seqs - 1;   /* the sequence whose tiles hold unit u */
-                while (lo < hi) {
-                    const int mid = (lo + hi + 1) / 2;
-                    if (units_before[mid] <= u) lo = mid;
-                    else hi = mid - 1;
-                }
-                const int64_t tiles = (units_before[lo + 1] - units_before[lo]) / num_kv_heads;
-                const int64_t i = u - units_before[lo];
-                const int g = (int)(i / tiles), k0 = (int)(i % tiles) * KT;
-                float *head_keys = keys_t + keys_off[lo] + (int64_t)g * head_dim * tiles * KT;
-                transpose_keys(kv, block_tables + (int64_t)lo * max_blocks, block_stride, block_size, slot_stride, g,
-                               head_dim, k0, seq_lens[lo], head_keys + k0, tiles * KT);
-            }
-        }
-        float *buf = malloc(sizeof(float) * ((int64_t)MAX_DIM * KT + (int64_t)MAX_ROWS * KT
-                                             + (int64_t)MAX_ROWS * MAX_DIM + 3 * (MAX_ROWS + 16)));
+        const int64_t ld = MAX_VECS * LANES;
+        float *buf = malloc(sizeof(float) * (2 * (int64_t)MAX_DIM * ld + (int64_t)KT * ld + 4 * ld));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
             if (buf == NULL) {
@@ -358,19 +316,15 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
             const int start = seq_lens[s] - query_len;
             const int first = start + b * per_task;
             const int last = first + per_task - 1 < seq_lens[s] - 1 ? first + per_task - 1 : seq_lens[s] - 1;
-            float *kt = buf, *sc = kt + MAX_DIM * KT, *o = sc + MAX_ROWS * KT, *m = o + MAX_ROWS * MAX_DIM;
-            const int64_t ldk = ((int64_t)seq_lens[s] + KT - 1) / KT * KT;
-            const int shared = keys_t && keys_off[s + 1] > keys_off[s];
+            float *qt = buf, *ot = qt + MAX_DIM * ld, *st = ot + MAX_DIM * ld, *m = st + KT * ld, *l = m + ld,
+                  *alpha = l + ld;
             task(q + (int64_t)query_start[s] * ldq, ldq, kv, block_tables + (int64_t)s * max_blocks, block_stride,
                  kv_stride, block_size, num_kv_heads, group, head_dim, g, start, first, last, scale,
-                 out + (int64_t)query_start[s] * num_heads * head_dim,
-                 shared ? keys_t + keys_off[s] + (int64_t)g * head_dim * ldk : NULL, ldk, kt, sc, o, m,
-                 m + MAX_ROWS + 16, m + 2 * (MAX_ROWS + 16));
+                 out + (int64_t)query_start[s] * num_heads * head_dim, qt, st, ot, m, l, alpha,
+                 (int32_t *)(alpha + ld));
         }
         free(buf);
     }
-    free(keys_t);
-    free(keys_off);
     free(list);
     return failed ? -1 : 0;
 }
