@@ -313,3 +313,39 @@ def test_the_runner_sends_a_one_token_prompt_chunk_to_the_prefill_kernel(tiny_mo
     kv = runner.kv_cache
     same = torch.equal(kv[0:5], kv[5:10])
     assert same == last_chunk_is_prefill
+
+
+def test_the_softmax_exponential_is_within_an_ulp_and_exact_at_zero(tmp_path):
+    """The kernel's own e^x (fused multiply-adds, no clamp above): within 1 ulp of e^x over [-87.3, 0], and
+    e^0 exactly 1, which keeps a tile past a row's position from changing its numbers (a rescale by 1)."""
+    import shutil
+    import subprocess
+    import numpy as np
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    harness = tmp_path / "harness.c"
+    harness.write_text(f'#include "{cpu_kernels.CSRC / "cpu_prefill_attention.c"}"\n' + r'''
+#include <stdio.h>
+int main(void) {
+    float x[LANES];
+    while (fread(x, sizeof(float), LANES, stdin) == LANES) {
+        vv v;
+        memcpy(&v, x, sizeof v);
+        v = softmax_exp(v);
+        fwrite(&v, sizeof v, 1, stdout);
+    }
+    return 0;
+}
+''')
+    binary = tmp_path / "harness"
+    subprocess.run([compiler, *(f for f in cpu_kernels.FLAGS if f not in ("-shared", "-fPIC")), str(harness), "-o",
+                    str(binary), "-lm"], check=True, capture_output=True, timeout=120)
+    rng = np.random.default_rng(0)
+    xs = np.concatenate([rng.uniform(-87.3, 0.0, 1 << 20), rng.uniform(-1.0, 0.0, 1 << 18),
+                         np.array([0.0, -0.0, -87.3, -87.29, -1e-30, -0.34657359, -0.34657361])]).astype(np.float32)
+    xs = np.concatenate([xs, np.zeros(-len(xs) % 16, np.float32)])
+    got = np.frombuffer(subprocess.run([str(binary)], input=xs.tobytes(), capture_output=True, check=True,
+                                       timeout=60).stdout, dtype=np.float32)
+    exact = np.exp(xs.astype(np.float64))
+    ulp = np.spacing(exact.astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(got - exact) / ulp) < 1.0
+    assert got[xs == 0.0].tolist() == [1.0] * int(np.sum(xs == 0.0))
