@@ -29,7 +29,7 @@
 
 #include "vec8.h"
 
-#define KT 32            /* keys per tile: one online-softmax rescale per tile */
+#define KT 64            /* keys per tile: one online-softmax rescale per tile (1.02-1.06x faster than 32) */
 #define TASK_ROWS 96     /* query rows a task aims for (positions x heads of the group) */
 #define MAX_DIM 128
 
@@ -226,12 +226,13 @@ static void softmax_tile(float *st, int ld, int nv, const int32_t *pos, int k0, 
             }
             vstore_vv(s + j * ld, p);
         }
-        /* The tile's sum, in one fixed order (that of halving a 16-lane vector of p[j] + p[j + 16], the
-         * kernel's first): keys past nk add 0. */
+        /* The tile's sum, in one fixed order: of every sixteenth key from j in key order, for j < 16, then
+         * those sixteen halved (pairs 8 apart, 4 apart, 2, 1); keys past nk add nothing. */
         vv t[16];
         for (int j = 0; j < 16; j++) {
-            const vv a = j < nk ? vload_vv(s + j * ld) : zero, b = j + 16 < nk ? vload_vv(s + (j + 16) * ld) : zero;
-            t[j] = a + b;
+            vv a = zero;
+            for (int h = j; h < nk; h += 16) a = a + vload_vv(s + h * ld);
+            t[j] = a;
         }
         for (int half = 8; half >= 1; half /= 2)
             for (int j = 0; j < half; j++) t[j] = t[j] + t[j + half];
