@@ -12,7 +12,7 @@
  * vectors against broadcasts of the keys, read in place from the cache), then the online softmax (running
  * maximum m, sum l, O rescaled by e^(m_old - m_new)), then O^T += V^T P^T (P^T vectors against broadcasts
  * of the values). With rows in the lanes, the softmax's maxima and sums over a tile's keys are vector
- * operations, not reductions across one register's lanes, and a broadcast serves six vectors of rows.
+ * operations, not reductions across one register's lanes, and a broadcast serves three vectors of rows.
  *
  * Every row's numbers are the same whatever else is in its task, its step or its chunk: a row goes
  * through the tiles 0, 1, ... in order, each score is one FMA chain over the head dimension, a tile's sum
@@ -156,7 +156,7 @@ static inline vv vvfma(vv a, vv b, vv c) { return fma8(a, b, c); }
  * without the clamp above, which x <= 0 never reaches. Within 0.89 ulp of e^x over [-87.3, 0] (every
  * 7th float checked against expl; vec8.h's exp: 0.98), e^0 = 1 exactly, a NaN stays NaN. Half the
  * instructions of vec8.h's exp, whose operations -ffp-contract=off keeps apart: the prefill attention
- * at 2,048 tokens 1.07x faster with AVX-512, 1.24x with AVX2. */
+ * 1.05-1.06x faster at 256-2,048 tokens (benchmarks/cpu_prefill_attention.py, docs/benchmarks.md). */
 static inline vv softmax_exp(vv x) {
     const vv zero = {0};
     const vv lo = zero - 87.3f;
