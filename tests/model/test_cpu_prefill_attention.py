@@ -349,3 +349,23 @@ int main(void) {
     ulp = np.spacing(exact.astype(np.float32)).astype(np.float64)
     assert np.max(np.abs(got - exact) / ulp) < 1.0
     assert got[xs == 0.0].tolist() == [1.0] * int(np.sum(xs == 0.0))
+
+
+def test_a_sequence_near_ints_end_is_refused_not_looped_over():
+    """A length near 2^31 (one huge block, every table entry valid) was taken: the tile loop's start would
+    wrap past int's end after minutes of work (review). Lengths past 2^30 are refused at once."""
+    import subprocess
+    import sys
+    script = r'''
+import torch
+from pdserve.model import cpu_kernels
+block_size, length = 1 << 16, (1 << 31) - 1
+kv = torch.zeros(1, 2, block_size, 1, 16)
+table = torch.zeros(1, -(-length // block_size), dtype=torch.int32)
+q = torch.zeros(1, 1, 16)
+out = torch.empty(1, 1, 16)
+print(cpu_kernels.prefill_attention(q, kv, table, torch.tensor([0, 1], dtype=torch.int32),
+                                    torch.tensor([length], dtype=torch.int32), 0.25, out))
+'''
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr[-2000:]

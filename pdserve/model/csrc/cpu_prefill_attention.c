@@ -32,6 +32,9 @@
 #define KT 64            /* keys per tile: one online-softmax rescale per tile (1.02-1.06x faster than 32) */
 #define TASK_ROWS 96     /* query rows a task aims for (positions x heads of the group) */
 #define MAX_DIM 128
+/* The longest sequence served: positions stay far from int's end in the tile loops (a key tile's start
+ * past a sequence of 2^31 - 1 would wrap around), and no model serves a billion tokens. */
+#define MAX_SEQ_LEN (1 << 30)
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -291,8 +294,8 @@ static void task(const float *q, int64_t ldq, const float *kv, const int32_t *bl
  * its positions [seq_lens[i] - query_len, seq_lens[i]), their K and V already in the cache (kv: the
  * layer's view [blocks][k|v][slot][kv_head][dim], block_stride and kv_stride in elements).
  * Returns 0, or -1 when a shape is outside what the kernel handles (head_dim 16, 32, 64 or 128, at most
- * 16 query heads per KV head), a length or block id is out of range, or memory ran out: the caller then
- * runs torch. */
+ * 16 query heads per KV head, sequences of at most MAX_SEQ_LEN), a length or block id is out of range, or
+ * memory ran out: the caller then runs torch. */
 int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, const int32_t *block_tables,
                               const int32_t *query_start, const int32_t *seq_lens, float *out, int num_seqs,
                               int max_blocks, int num_blocks, int64_t block_stride, int64_t kv_stride,
@@ -305,7 +308,8 @@ int pdserve_prefill_attention(const float *q, int64_t ldq, const float *kv, cons
     int64_t tasks = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int32_t query_len = query_start[s + 1] - query_start[s], len = seq_lens[s];
-        if (query_len < 1 || len < query_len || len > (int64_t)max_blocks * block_size) return -1;
+        if (query_len < 1 || len < query_len || len > MAX_SEQ_LEN || len > (int64_t)max_blocks * block_size)
+            return -1;
         /* A block id outside the cache would read another process's memory, not raise: refuse it. */
         /* (in 64 bits: len + block_size - 1 passes 2^31 near the longest lengths) */
         for (int64_t b = 0; b < ((int64_t)len + block_size - 1) / block_size; b++) {
