@@ -17,9 +17,10 @@
  * Every row's numbers are the same whatever else is in its task, its step or its chunk: a row goes
  * through the tiles 0, 1, ... in order, each score is one FMA chain over the head dimension, a tile's sum
  * of probabilities is taken in one fixed order, and a tile past the row's position changes nothing (its
- * probabilities are exactly 0, its maximum is -inf, so the rescale factor is e^0 = 1, exactly; O never
- * holds -0, so adding 0 V leaves it as it was). So chunked prefill gives the bits unchunked prefill gives,
- * and P's prefill the bits of a colocated one.
+ * probabilities are exactly 0, its maximum is -inf, so the rescale factor is e^0 = 1, exactly; adding
+ * 0 V leaves O as it was, but for a -0, which a product too small for a float rounds to and which a later
+ * masked key's +0 turns into +0: the output is written as O / l + 0, a +0 either way). So chunked prefill
+ * gives the bits unchunked prefill gives, and P's prefill the bits of a colocated one.
  */
 #include <math.h>
 #include <omp.h>
@@ -157,9 +158,10 @@ static inline vv vvfma(vv a, vv b, vv c) { return fma8(a, b, c); }
 /* e^x for x <= 0 (the softmax's x - max, and the rescale's m_old - m_new): vec8.h's method (the same
  * reduction, polynomial and clamp below), in fused multiply-adds, the last step as 1 + r (1 + r p), and
  * without the clamp above, which x <= 0 never reaches. Within 0.89 ulp of e^x over [-87.3, 0] (every
- * 7th float checked against expl; vec8.h's exp: 0.98), e^0 = 1 exactly, a NaN stays NaN. Half the
- * instructions of vec8.h's exp, whose operations -ffp-contract=off keeps apart: the prefill attention
- * 1.05-1.06x faster at 256-2,048 tokens (benchmarks/cpu_prefill_attention.py, docs/benchmarks.md). */
+ * 7th float checked against expl; vec8.h's exp: 0.98), e^0 = 1 exactly, a NaN that arithmetic made
+ * stays NaN. Half the instructions of vec8.h's exp, whose operations -ffp-contract=off keeps apart: the
+ * prefill attention 1.05-1.06x faster at 256-2,048 tokens (benchmarks/cpu_prefill_attention.py,
+ * docs/benchmarks.md). */
 static inline vv softmax_exp(vv x) {
     const vv zero = {0};
     const vv lo = zero - 87.3f;
@@ -285,7 +287,7 @@ static void task(const float *q, int64_t ldq, const float *kv, const int32_t *bl
         const float inv = 1.0f / l[r];
         float *dst = out + (int64_t)(first - start + r / group) * group * num_kv_heads * dim
                      + (int64_t)(g * group + r % group) * dim;
-        for (int d = 0; d < dim; d++) dst[d] = ot[d * ld + r] * inv;
+        for (int d = 0; d < dim; d++) dst[d] = ot[d * ld + r] * inv + 0.0f;   /* (-0 as +0: see the top) */
     }
 }
 
