@@ -43,9 +43,10 @@ typedef __m512 vf;
 typedef v16 vv;          /* the same register, for the softmax's lane-wise arithmetic */
 typedef v16i vvi;
 #define LANES 16
+#define vexp_nonpositive exp16_nonpositive   /* the softmax's e^x (vec8.h) */
 /* Micro-tiles: SK keys x SC row vectors of scores, SD dimensions x SC row vectors of O: 24 accumulators
  * and the SC row vectors in registers, eleven loads and broadcasts per 24 FMAs. (At 4 keys x 6 row
- * vectors GCC left the row vectors in memory, reloading each for every key: 1.35x slower here.) */
+ * vectors GCC left the row vectors in memory, reloading each for every key: slower.) */
 #define SK 8
 #define SC 3
 #define SD 8
@@ -60,6 +61,7 @@ typedef v8 vf;
 typedef v8 vv;
 typedef v8i vvi;
 #define LANES 8
+#define vexp_nonpositive exp8_nonpositive
 #define SK 4             /* 12 accumulators and 3 row vectors of the sixteen registers */
 #define SC 3
 #define SD 4
@@ -150,37 +152,6 @@ static void accumulate_values(float *ot, int ld, int nv, const float *st, const 
         }
 }
 
-#if defined(__AVX512F__)
-static inline vv vvfma(vv a, vv b, vv c) { return (vv)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
-#else
-static inline vv vvfma(vv a, vv b, vv c) { return fma8(a, b, c); }
-#endif
-/* e^x for x <= 0 (the softmax's x - max, and the rescale's m_old - m_new): vec8.h's method (the same
- * reduction, polynomial and clamp below), in fused multiply-adds, the last step as 1 + r (1 + r p), and
- * without the clamp above, which x <= 0 never reaches. Within 0.89 ulp of e^x over [-87.3, 0] (every
- * 7th float checked against expl; vec8.h's exp: 0.98), e^0 = 1 exactly, a NaN that arithmetic made
- * stays NaN. Half the instructions of vec8.h's exp, whose operations -ffp-contract=off keeps apart: the
- * prefill attention 1.05-1.06x faster at 256-2,048 tokens (benchmarks/cpu_prefill_attention.py,
- * docs/benchmarks.md). */
-static inline vv softmax_exp(vv x) {
-    const vv zero = {0};
-    const vv lo = zero - 87.3f;
-    const vvi below = x < lo;
-    x = (vv)(((vvi)lo & below) | ((vvi)x & ~below));
-    const vv shifter = zero + 0x1.8p23f;
-    const vv shifted = vvfma(x, zero + 1.44269504088896341f, shifter);
-    const vv n = shifted - shifter;
-    const vv r = vvfma(n, zero + 2.12194440e-4f, vvfma(n, zero - 0.693359375f, x));
-    vv p = vvfma(r, zero + 1.9875691500e-4f, zero + 1.3981999507e-3f);
-    p = vvfma(p, r, zero + 8.3334519073e-3f);
-    p = vvfma(p, r, zero + 4.1665795894e-2f);
-    p = vvfma(p, r, zero + 1.6666665459e-1f);
-    p = vvfma(p, r, zero + 5.0000001201e-1f);
-    p = vvfma(r, vvfma(r, p, zero + 1.0f), zero + 1.0f);   /* 1 + r (1 + r p) */
-    const vvi ni = (vvi)shifted - (vvi)shifter;
-    return (vv)((vvi)p + (ni << 23));
-}
-
 static inline vv vload_vv(const float *p) {
     vv v;
     memcpy(&v, p, sizeof v);
@@ -217,14 +188,14 @@ static void softmax_tile(float *st, int ld, int nv, const int32_t *pos, int k0, 
         }
         const vv old = vload_vv(m + c * LANES);
         const vv new = vmax(top, old);   /* top where it is greater, else the old maximum */
-        /* e^(m_old - m_new): exactly 1 when the maximum stays (e^0 is 1 in softmax_exp); 0 on the first tile,
+        /* e^(m_old - m_new): exactly 1 when the maximum stays (e^0 is 1 in vexp_nonpositive); 0 on the first tile,
          * where O and l are still 0 */
         const vvi started = old > ninf;
-        const vv factor = (vv)((vvi)softmax_exp(old - new) & started);
+        const vv factor = (vv)((vvi)vexp_nonpositive(old - new) & started);
         vstore_vv(m + c * LANES, new);
         vstore_vv(alpha + c * LANES, factor);
         for (int j = 0; j < nk; j++) {
-            vv p = softmax_exp(vload_vv(s + j * ld) - new);
+            vv p = vexp_nonpositive(vload_vv(s + j * ld) - new);
             if (!all_seen) {
                 const vvi seen = (vvi){0} + (k0 + j) <= row_pos;
                 p = (vv)((vvi)p & seen);

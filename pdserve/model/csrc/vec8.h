@@ -58,6 +58,16 @@ typedef int32_t v16i __attribute__((vector_size(64)));
  * smallest normal float) e^-87.3, not 0 (next to a softmax row's maximum term, e^0 = 1, far below a
  * rounding error; in SiLU, x / (1 + e^-x) is then x to the last bit); above 88.3, e^88.3 = 2.2e38, not
  * infinity (SiLU's x / (1 + e^-x) is then -0 to 1e-36). The NaN that arithmetic produces stays NaN. */
+/* The reduction's and the polynomial's constants, shared with the softmax's e^x below. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
 #define DEFINE_EXP(NAME, VT, VI)                                                                         \
 static inline VT NAME(VT x) {                                                                            \
     const VT zero = {0};                                                                                 \
@@ -67,19 +77,48 @@ static inline VT NAME(VT x) {                                                   
     x = (VT)(((VI)hi & above) | ((VI)x & ~above));                                                       \
     /* Rounding to the nearest integer by adding 1.5 * 2^23: the sum's low mantissa bits are n. */       \
     const VT shifter = zero + 0x1.8p23f;                                                                 \
-    const VT shifted = x * 1.44269504088896341f + shifter;                                               \
+    const VT shifted = x * EXP_LOG2E + shifter;                                                          \
     const VT n = shifted - shifter;                                                                      \
-    const VT r = (x - n * 0.693359375f) - n * -2.12194440e-4f;                                           \
-    VT p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                                      \
-    p = p * r + 8.3334519073e-3f;                                                                        \
-    p = p * r + 4.1665795894e-2f;                                                                        \
-    p = p * r + 1.6666665459e-1f;                                                                        \
-    p = p * r + 5.0000001201e-1f;                                                                        \
+    const VT r = (x - n * EXP_LN2_HI) - n * EXP_LN2_LO;                                                  \
+    VT p = r * EXP_P0 + EXP_P1;                                                                          \
+    p = p * r + EXP_P2;                                                                                  \
+    p = p * r + EXP_P3;                                                                                  \
+    p = p * r + EXP_P4;                                                                                  \
+    p = p * r + EXP_P5;                                                                                  \
     p = p * (r * r) + r + 1.0f;                                                                          \
     const VI ni = (VI)shifted - (VI)shifter;                                                             \
     return (VT)((VI)p + (ni << 23));                                                                     \
 }
 DEFINE_EXP(exp8, v8, v8i)
 DEFINE_EXP(exp16, v16, v16i)
+
+/* e^x for x <= 0, as a softmax takes it (x - its maximum): the method above in fused multiply-adds, the
+ * last step as 1 + r (1 + r p), and no clamp above, which x <= 0 never reaches. Within 1 ulp over
+ * [-87.3, 0] and e^0 = 1 exactly (tests/model/test_cpu_prefill_attention.py); a NaN that arithmetic made
+ * stays NaN. Half the instructions of the one above, whose operations -ffp-contract=off keeps apart. */
+#define DEFINE_EXP_NONPOSITIVE(NAME, VT, VI, FMA)                                                       \
+static inline VT NAME(VT x) {                                                                            \
+    const VT zero = {0};                                                                                 \
+    const VT lo = zero - 87.3f;                                                                          \
+    const VI below = x < lo;                                                                             \
+    x = (VT)(((VI)lo & below) | ((VI)x & ~below));                                                       \
+    const VT shifter = zero + 0x1.8p23f;                                                                 \
+    const VT shifted = FMA(x, zero + EXP_LOG2E, shifter);                                                \
+    const VT n = shifted - shifter;                                                                      \
+    const VT r = FMA(n, zero - EXP_LN2_LO, FMA(n, zero - EXP_LN2_HI, x));                                \
+    VT p = FMA(r, zero + EXP_P0, zero + EXP_P1);                                                         \
+    p = FMA(p, r, zero + EXP_P2);                                                                        \
+    p = FMA(p, r, zero + EXP_P3);                                                                        \
+    p = FMA(p, r, zero + EXP_P4);                                                                        \
+    p = FMA(p, r, zero + EXP_P5);                                                                        \
+    p = FMA(r, FMA(r, p, zero + 1.0f), zero + 1.0f);                                                     \
+    const VI ni = (VI)shifted - (VI)shifter;                                                             \
+    return (VT)((VI)p + (ni << 23));                                                                     \
+}
+DEFINE_EXP_NONPOSITIVE(exp8_nonpositive, v8, v8i, fma8)
+#if defined(__AVX512F__)
+static inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+DEFINE_EXP_NONPOSITIVE(exp16_nonpositive, v16, v16i, fma16)
+#endif
 
 #endif
