@@ -4,6 +4,8 @@
 # vLLM-CPU anchor's `vllm bench serve`: 256 random tokens in, 128 out, ignore_eos, greedy): 64 requests
 # at rate inf (seed 0), then 16 one at a time (seed 1). Colocated first, one server at a time. The issue's
 # targets: 1P1D at rate inf >= 0.8x colocated, single-stream TTFT <= 1.3x and TPOT <= 1.1x colocated.
+# It times one server, then the other, so this machine's drift falls between them: for the ratios,
+# cpu_pd_pair.sh keeps both up and times them in turn (docs/benchmarks.md, session 43).
 # Results: the client's JSON under $OUT (default benchmarks/results/cpu-pd-serve-DATE/).
 #   bash benchmarks/cpu_pd_serve.sh [RUN_TAG]
 # PREFILL_ARGS / DECODE_ARGS: extra flags for the P / D instance (`pdserve up --prefill-args`), e.g.
