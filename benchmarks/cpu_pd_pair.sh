@@ -14,10 +14,21 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 TAG=${1:-1}
 shift || true
 OUT=${OUT:-$HERE/results/cpu-pd-pair-$(date +%F)}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 COLO_PORT=18111 PD_PORT=18121
 ANCHOR= ANCHORS=   # serve_bench_lib.sh's servers and waits only; no vLLM here
 . "$HERE/serve_bench_lib.sh"
+cd "$HERE/.."
+# (the 1P1D cluster's instances take the two ports after its proxy's)
+for port in $COLO_PORT $PD_PORT $((PD_PORT + 1)) $((PD_PORT + 2)); do
+  if curl -s -o /dev/null "http://127.0.0.1:$port/health"; then
+    echo "port $port already serves something: stop it first (this script would time it instead)"; exit 1
+  fi
+done
+COLO_PID= PD_PID=
+cleanup() { [ -n "$PD_PID" ] && stop "$PD_PID"; [ -n "$COLO_PID" ] && stop "$COLO_PID"; return 0; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
 
 setsid .venv/bin/pdserve serve --host 127.0.0.1 --port $COLO_PORT --served-model-name smollm2 ${COLOCATED_ARGS:-} \
   > "$OUT/colocated_server_run$TAG.log" 2>&1 &
@@ -31,5 +42,4 @@ wait_ready $COLO_PORT 300 && wait_ready $PD_PORT 300 \
   && { [ "${RATE_INF_ROUNDS:-4}" = 0 ] || .venv/bin/python "$HERE/rate_inf_pair.py" --a 1p1d=$PD_PORT \
          --b colocated=$COLO_PORT --rounds "${RATE_INF_ROUNDS:-4}" --out "$OUT/rate_inf_pair_run$TAG.json" \
          | tee "$OUT/rate_inf_pair_run$TAG.log"; }
-stop $PD_PID
-stop $COLO_PID
+exit   # with the status of the measurement (a failed wait or run is not a success); cleanup stops both

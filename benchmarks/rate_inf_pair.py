@@ -3,8 +3,9 @@
 The sequential scripts (cpu_pd_serve.sh) time one server's burst, then the other's; on these shared 2-core
 machines the speed drifts by up to 20 % within minutes, as much as the ratio being measured. Here both
 servers are up at once and each round sends one burst of fresh prompts (`pdserve bench serve`, the random
-dataset, all requests at once) to each, in ABBA order, so that a drift falls on both alike; each round's
-ratio of output throughputs is reported, and their median is the figure. Every request must complete.
+dataset, all requests at once, the same prompts to both) to each, in AB BA order, so that a drift falls on
+both alike; each round's ratio of output throughputs is reported, and their median is the figure. Every
+request must complete.
 
     .venv/bin/python benchmarks/rate_inf_pair.py --a NAME=PORT --b NAME=PORT [--rounds 4]
         [--num-prompts 64] [--input-len 256] [--output-len 128] [--gap-s 2] [--out F.json]
@@ -30,7 +31,10 @@ def burst(port: int, model: str, num_prompts: int, input_len: int, output_len: i
                "--model", model, "--dataset", "random", "--num-prompts", str(num_prompts),
                "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos",
                "--temperature", "0", "--request-rate", "inf", "--seed", str(seed), "--out", out, "--no-progress"]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=timeout_s)
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
+        if done.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"port {port}: `pdserve bench serve` exited {done.returncode}: "
+                               f"{done.stdout[-2000:].strip()}")
         with open(out) as f:
             metrics = json.load(f)["metrics"]
     if metrics["num_completed"] != num_prompts:
@@ -39,24 +43,32 @@ def burst(port: int, model: str, num_prompts: int, input_len: int, output_len: i
     return metrics
 
 
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)   # (no TPOT in one-token answers)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--a", required=True, help="NAME=PORT of the first server (the ratios are a / b)")
     p.add_argument("--b", required=True, help="NAME=PORT of the second server")
     p.add_argument("--model", default="smollm2", help="the served model name on both")
-    p.add_argument("--rounds", type=int, default=4, help="an even number balances the ABBA order")
+    p.add_argument("--rounds", type=int, default=4, help="bursts to each server, an even number")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--warmup-prompts", type=int, default=4, help="a small burst to each server first")
     p.add_argument("--gap-s", type=float, default=2.0, help="idle time before each burst")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per burst")
-    p.add_argument("--seed", type=int, default=None, help="first prompt seed (default: the clock, so that a "
-                   "rerun against the same servers meets no prefix-cache hits); each burst takes the next")
+    p.add_argument("--seed", type=int, default=None, help="the warm-up's prompt seed (default: the clock, so "
+                   "that a rerun against the same servers meets no prefix-cache hits); each round takes the next")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    if args.rounds < 1 or args.num_prompts < 1:
-        p.error("--rounds and --num-prompts must be at least 1")
+    if args.rounds < 2 or args.rounds % 2 or args.num_prompts < 1:
+        p.error("--rounds must be even (AB then BA: each server first as often) and --num-prompts at least 1")
     servers = []
     for spec in (args.a, args.b):
         name, _, port = spec.partition("=")
@@ -66,26 +78,30 @@ def main() -> None:
     (a_name, _), (b_name, _) = servers
     if a_name == b_name:
         p.error("the two servers need different names")
+    reserved = {"a", "b", "rounds", "num_prompts", "input_len", "output_len", "gap_s", "throughput_ratio_median",
+                "throughput_ratio_range"}
+    if reserved & {a_name, b_name}:
+        p.error(f"server names {sorted(reserved)} are keys of the summary; choose others")
     seed = args.seed if args.seed is not None else time.time_ns() % 2 ** 31
-    for name, port in servers:
-        burst(port, args.model, args.warmup_prompts, args.input_len, args.output_len, seed, args.timeout_s)
-        seed += 1
+    if args.warmup_prompts > 0:
+        for name, port in servers:
+            burst(port, args.model, args.warmup_prompts, args.input_len, args.output_len, seed, args.timeout_s)
     results: dict[str, list[dict]] = {a_name: [], b_name: []}
     for i in range(args.rounds):
+        seed += 1   # a round's prompts are new to both servers, and the same for both
         for name, port in (servers if i % 2 == 0 else servers[::-1]):   # AB BA AB ...
             time.sleep(args.gap_s)
             m = burst(port, args.model, args.num_prompts, args.input_len, args.output_len, seed, args.timeout_s)
-            seed += 1
             results[name].append(m)
             print(f"round {i}: {name} {m['output_token_throughput']:.1f} output tok/s, TTFT p50 "
-                  f"{m['ttft_ms']['p50']:.0f} ms, TPOT p50 {m['tpot_ms']['p50']:.1f} ms", flush=True)
+                  f"{_ms(m['ttft_ms']['p50'])}, TPOT p50 {_ms(m['tpot_ms']['p50'])}", flush=True)
     summary = {"a": a_name, "b": b_name, "rounds": args.rounds, "num_prompts": args.num_prompts,
                "input_len": args.input_len, "output_len": args.output_len, "gap_s": args.gap_s}
     for name, rows in results.items():
         tput = [round(m["output_token_throughput"], 1) for m in rows]
         summary[name] = {"output_tok_s_median": round(statistics.median(tput), 1), "output_tok_s": tput,
-                         "ttft_ms_p50": [round(m["ttft_ms"]["p50"], 1) for m in rows],
-                         "tpot_ms_p50": [round(m["tpot_ms"]["p50"], 2) for m in rows]}
+                         "ttft_ms_p50": [_round(m["ttft_ms"]["p50"], 1) for m in rows],
+                         "tpot_ms_p50": [_round(m["tpot_ms"]["p50"], 2) for m in rows]}
         print(f"{name}: output tok/s median {summary[name]['output_tok_s_median']} ({tput})")
     ratios = [x["output_token_throughput"] / y["output_token_throughput"]
               for x, y in zip(results[a_name], results[b_name])]

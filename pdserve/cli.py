@@ -13,7 +13,8 @@ import shlex
 import sys
 
 from pdserve.config import (API_KEY_ENV, LOOPBACK_HOSTS, ROUTER_KEY_ENV, CacheConfig, EngineConfig,
-                            KVTransferConfig, KV_ROLES, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig)
+                            KVTransferConfig, KV_ROLES, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig,
+                            check_cpu_cores)
 from pdserve.help_format import HelpFormatter
 from pdserve.stop_signals import claim_sigint, stop_handler, stop_signals
 
@@ -45,6 +46,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
 
 
+def _cpu_cores(text: str) -> str:
+    """--cpu-cores: a comma-separated list of this machine's cores (checked here, so that a typo is a usage
+    error, not a traceback from the engine's start); kept as given."""
+    try:
+        cores = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected core numbers, comma-separated, e.g. 0,1") from None
+    try:
+        check_cpu_cores(cores)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -69,7 +84,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over this many ranks, one process each (CPU: gloo, the cores divided among "
                         "them; CUDA: NCCL, one visible GPU per rank); it must divide the model's query heads, KV "
                         "heads and intermediate size (the default model: 1 or 3)")
-    g.add_argument("--cpu-cores", default=None,
+    g.add_argument("--cpu-cores", default=None, type=_cpu_cores,
                    help="pin the engine process to these cores, e.g. 0,1 (CPU deployments); with --cpu-core-lending "
                         "they are its own cores instead, and the process is not pinned")
     g.add_argument("--cpu-core-lending", default=None, metavar="FILE",

@@ -4,6 +4,8 @@ Validation raises ValueError naming the field, so the CLI can print it as is.
 """
 from __future__ import annotations
 
+import os
+
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +162,20 @@ class KVTransferConfig:
         return self.kv_connector is not None and self.kv_role in ("consumer", "both")
 
 
+
+def check_cpu_cores(cores) -> list[int]:
+    """cpu_affinity (--cpu-cores): cores of this machine, as a list; else ValueError naming them (a core
+    that does not exist fails sched_setaffinity with a bare EINVAL deep in the engine's start). Not
+    checked against this process's current affinity: a process may widen it (taskset -c 0 pdserve serve
+    --cpu-cores 1); one its cpuset forbids fails at the pin (EngineCore names the flag there)."""
+    cores = list(cores)
+    count = os.cpu_count() or 1
+    bad = [c for c in cores if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < count]
+    if not cores or bad:
+        raise ValueError(f"cpu_affinity (--cpu-cores): {', '.join(map(str, bad)) or 'none given'}: not a core of "
+                         f"this machine (0-{count - 1})")
+    return cores
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -183,6 +199,8 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads (--num-threads): must be at least 1, got {self.num_threads}; leave it out "
                              f"for one thread per allowed core")
+        if self.cpu_affinity is not None:
+            check_cpu_cores(self.cpu_affinity)
         if self.core_lending and not self.cpu_affinity:
             raise ValueError("core_lending: needs cpu_affinity, the cores this engine owns (--cpu-cores)")
         if self.core_lending and self.parallel.tensor_parallel_size > 1:

@@ -48,19 +48,26 @@ def threads_per_instance(num_instances: int, cores: Sequence[int] | None = None)
 
 
 def split_cores(num_instances: int, cores: Sequence[int] | None = None,
-                weights: Sequence[int] | None = None) -> list[list[int] | None]:
+                weights: Sequence[int] | None = None, use_all: bool = False) -> list[list[int] | None]:
     """Disjoint sets of `cores` (default: the cores this process may run on), one per instance, in
     proportion to `weights` (default equal; a tensor-parallel instance weighs its number of ranks);
-    None for every instance when there are fewer cores than the weights add up to."""
+    None for every instance when there are fewer cores than the weights add up to. The cores past an
+    equal split are left out (`bench compare` wants equal devices) unless use_all: then they go one
+    each to the single-rank instances, first ones first (3 cores, 2 instances: [0, 1] and [2], where
+    an equal split left core 2 to nobody)."""
     cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
     weights = list(weights) if weights is not None else [1] * num_instances
     if len(cores) < sum(weights):
         return [None] * num_instances  # more ranks than cores: let the OS share them
     per = len(cores) // sum(weights)
+    sizes = [per * weight for weight in weights]
+    single = [i for i, weight in enumerate(weights) if weight == 1]   # a TP rank's share stays whole
+    for k in range(len(cores) - sum(sizes) if use_all and single else 0):
+        sizes[single[k % len(single)]] += 1
     out, start = [], 0
-    for weight in weights:
-        out.append(cores[start:start + per * weight])
-        start += per * weight
+    for size in sizes:
+        out.append(cores[start:start + size])
+        start += size
     return out
 
 
@@ -363,7 +370,7 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
                   f"them)", file=sys.stderr)
             return 2
     use_cuda = device == "cuda" or (device == "auto" and (gpus is not None or num_gpus() > 0))
-    cores = [None] * len(instances) if use_cuda else split_cores(len(instances), weights=tp_sizes)
+    cores = [None] * len(instances) if use_cuda else split_cores(len(instances), weights=tp_sizes, use_all=True)
     # More ranks than cores: the OS shares the cores, and each engine gets its share of threads.
     threads = None if use_cuda or cores[0] is not None else threads_per_instance(sum(tp_sizes))
     cuda_devices = (list(gpus) if gpus is not None else list(range(num_gpus()))) if use_cuda else []

@@ -73,7 +73,11 @@ class EngineCore:
         # Lending: the process may run on every core it was given; the thread count follows the cores
         # it holds for each step (worker/core_lending.py).
         if config.cpu_affinity and not config.core_lending:
-            os.sched_setaffinity(0, config.cpu_affinity)
+            try:
+                os.sched_setaffinity(0, config.cpu_affinity)
+            except OSError as e:   # cores its cpuset forbids
+                raise ValueError(f"cpu_affinity (--cpu-cores) {config.cpu_affinity}: this process may not run on "
+                                 f"them ({e.strerror}); it may run on {sorted(os.sched_getaffinity(0))}") from None
         mc = config.model
         mc.model = resolve_model_path(mc.model)
         self.tokenizer = load_tokenizer(mc.model)

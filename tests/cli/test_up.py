@@ -11,6 +11,13 @@ from pdserve import cli
 from pdserve.cluster.local import instance_command
 
 
+@pytest.fixture(autouse=True)
+def _machine_with_many_cores(monkeypatch):
+    """Tests here play machines of more cores than this one (a fake sched_getaffinity); --cpu-cores is
+    checked against the machine's core count, so that count plays along."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 1024)
+
+
 def fake_children(monkeypatch) -> list:
     """`up`'s children replaced by records of (command, environment); it stops at the health wait."""
     from pdserve.cluster import local as cluster
@@ -353,7 +360,7 @@ def test_up_on_cpu_lets_its_instances_lend_each_other_their_cores(monkeypatch):
     monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert cli.main(["up", "--device", "cpu", "--port", "8200", "--num-colocated", "1"]) == 1
     parsed = [cli.build_parser().parse_args(cmd[3:]) for cmd, _ in started]
-    assert [(a.cpu_cores, a.num_threads) for a in parsed] == [("0", 1), ("1", 1), ("2", 1)]
+    assert [(a.cpu_cores, a.num_threads) for a in parsed] == [("0,1", 2), ("2", 1), ("3", 1)]  # no core idle
     files = {a.cpu_core_lending for a in parsed}
     assert len(files) == 1 and None not in files
     path = files.pop()
@@ -368,3 +375,34 @@ def test_up_on_cpu_lets_its_instances_lend_each_other_their_cores(monkeypatch):
                                prefill_args=["-tp", "2"]) == 1
     assert len(started) == 2
     assert all(cli.build_parser().parse_args(c[3:]).cpu_core_lending is None for c, _ in started)
+
+
+@pytest.mark.parametrize("cores, message", [("5", "not a core of this machine"), ("-1", "not a core of this machine"),
+                                            ("a,b", "expected core numbers"), ("0,,1", "expected core numbers"),
+                                            ("", "expected core numbers")])
+def test_cpu_cores_outside_the_allowed_ones_are_a_usage_error(monkeypatch, capsys, cores, message):
+    """`serve --cpu-cores 5` on 2 cores loaded the model, then died in sched_setaffinity with a bare EINVAL
+    traceback; the engine's config refuses them too (LLM(cpu_affinity=...) never parses flags)."""
+    from pdserve.config import EngineConfig
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["serve", "--cpu-cores", cores])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--cpu-cores" in err and message in err
+    assert cli.build_parser().parse_args(["serve", "--cpu-cores", "1,0"]).cpu_cores == "1,0"
+    for bad in ([5], [-1], [], [True]):
+        with pytest.raises(ValueError, match=r"--cpu-cores"):
+            EngineConfig(cpu_affinity=bad).validate()
+    EngineConfig(cpu_affinity=[0, 1]).validate()
+
+
+def test_up_gives_the_cores_past_an_equal_split_to_its_instances():
+    """On 3 cores, 1P1D left core 2 to nobody; `bench compare` keeps its equal devices."""
+    from pdserve.cluster.local import split_cores
+    assert split_cores(2, [0, 1, 2]) == [[0], [1]]
+    assert split_cores(2, [0, 1, 2], use_all=True) == [[0, 1], [2]]
+    assert split_cores(3, list(range(8)), use_all=True) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert split_cores(2, list(range(7)), weights=[2, 1], use_all=True) == [[0, 1, 2, 3], [4, 5, 6]]
+    assert split_cores(1, list(range(5)), weights=[2], use_all=True) == [[0, 1, 2, 3]]   # ranks keep equal shares
+    assert split_cores(4, [0, 1], use_all=True) == [None] * 4
