@@ -170,7 +170,8 @@ def check_cpu_cores(cores) -> list[int]:
     --cpu-cores 1); one its cpuset forbids fails at the pin (EngineCore names the flag there)."""
     cores = list(cores)
     count = os.cpu_count() or 1
-    bad = [c for c in cores if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < count]
+    allowed = os.sched_getaffinity(0)   # (ids past the count where some CPUs are offline)
+    bad = [c for c in cores if not isinstance(c, int) or isinstance(c, bool) or not (0 <= c < count or c in allowed)]
     if not cores or bad:
         raise ValueError(f"cpu_affinity (--cpu-cores): {', '.join(map(str, bad)) or 'none given'}: not a core of "
                          f"this machine (0-{count - 1})")
