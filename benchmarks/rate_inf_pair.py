@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from single_stream_pair import add_server_args, parse_servers   # (this script's folder)
+
 
 def burst(port: int, model: str, num_prompts: int, input_len: int, output_len: int, seed: int,
           timeout_s: float) -> dict:
@@ -53,9 +55,7 @@ def _ms(value: float | None) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--a", required=True, help="NAME=PORT of the first server (the ratios are a / b)")
-    p.add_argument("--b", required=True, help="NAME=PORT of the second server")
-    p.add_argument("--model", default="smollm2", help="the served model name on both")
+    add_server_args(p)
     p.add_argument("--rounds", type=int, default=4, help="bursts to each server, an even number")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
@@ -69,19 +69,9 @@ def main() -> None:
     args = p.parse_args()
     if args.rounds < 2 or args.rounds % 2 or args.num_prompts < 1:
         p.error("--rounds must be even (AB then BA: each server first as often) and --num-prompts at least 1")
-    servers = []
-    for spec in (args.a, args.b):
-        name, _, port = spec.partition("=")
-        if not name or not port.isdigit():
-            p.error(f"{spec!r}: expected NAME=PORT")
-        servers.append((name, int(port)))
+    servers = parse_servers(p, args, reserved={"a", "b", "rounds", "num_prompts", "input_len", "output_len",
+                                               "gap_s", "throughput_ratio_median", "throughput_ratio_range"})
     (a_name, _), (b_name, _) = servers
-    if a_name == b_name:
-        p.error("the two servers need different names")
-    reserved = {"a", "b", "rounds", "num_prompts", "input_len", "output_len", "gap_s", "throughput_ratio_median",
-                "throughput_ratio_range"}
-    if reserved & {a_name, b_name}:
-        p.error(f"server names {sorted(reserved)} are keys of the summary; choose others")
     seed = args.seed if args.seed is not None else time.time_ns() % 2 ** 31
     if args.warmup_prompts > 0:
         for name, port in servers:

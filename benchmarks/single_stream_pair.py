@@ -58,11 +58,33 @@ def stream_once(port: int, model: str, prompt: list[int], max_tokens: int, timeo
     return arrivals[0], (arrivals[-1] - arrivals[0]) / (max_tokens - 1)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """--a, --b and --model: the two servers of a pair script (rate_inf_pair.py shares them)."""
     p.add_argument("--a", required=True, help="NAME=PORT of the first server (the ratios are a / b)")
     p.add_argument("--b", required=True, help="NAME=PORT of the second server")
     p.add_argument("--model", default="smollm2", help="the served model name on both")
+
+
+def parse_servers(p: argparse.ArgumentParser, args: argparse.Namespace,
+                  reserved: set[str]) -> list[tuple[str, int]]:
+    """[(name, port)] of --a and --b; a usage error for a malformed one, equal names, or a name among
+    `reserved` (the summary's own keys, which a server's entry would overwrite)."""
+    servers = []
+    for spec in (args.a, args.b):
+        name, _, port = spec.partition("=")
+        if not name or not port.isdigit():
+            p.error(f"{spec!r}: expected NAME=PORT")
+        servers.append((name, int(port)))
+    if servers[0][0] == servers[1][0]:
+        p.error("the two servers need different names")
+    if reserved & {servers[0][0], servers[1][0]}:
+        p.error(f"server names {sorted(reserved)} are keys of the summary; choose others")
+    return servers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(p)
     p.add_argument("--rounds", type=int, default=16, help="a multiple of 4 balances the ABBA order")
     p.add_argument("--warmups", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -75,15 +97,10 @@ def main() -> None:
     args = p.parse_args()
     if args.rounds < 1 or args.max_tokens < 2:
         p.error("--rounds must be at least 1 and --max-tokens at least 2")
-    servers = []
-    for spec in (args.a, args.b):
-        name, _, port = spec.partition("=")
-        if not name or not port.isdigit():
-            p.error(f"{spec!r}: expected NAME=PORT")
-        servers.append((name, int(port)))
+    servers = parse_servers(p, args, reserved={"a", "b", "rounds", "prompt_len", "max_tokens", "gap_s",
+                                               "ttft_ratio_median", "ttft_ratio_range", "tpot_ratio_median",
+                                               "tpot_ratio_range"})
     (a_name, _), (b_name, _) = servers
-    if a_name == b_name:
-        p.error("the two servers need different names")
     rng = random.Random(args.seed if args.seed is not None else time.time_ns())
     results: dict[str, list[tuple[float, float]]] = {a_name: [], b_name: []}
     for i in range(args.warmups + args.rounds):
