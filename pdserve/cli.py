@@ -376,6 +376,11 @@ def serve_main(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         config.validate()
         server_config = server_config_from_args(args)
+        if (size := config.parallel.tensor_parallel_size) > 1:   # a usage error, not the engine's traceback
+            from pdserve.model.loader import load_model_config
+            from pdserve.parallel.sharding import check_tp_size
+            shape = load_model_config(config.model.model)
+            check_tp_size(size, shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
     except ValueError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2

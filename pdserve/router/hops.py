@@ -3,12 +3,14 @@ of the request lifecycle in proxy.py) and the release of P's blocks no D took (s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from pdserve.router.proxy import Proxy
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 JSON = "application/json"
@@ -60,16 +64,20 @@ async def read(role: str, url: str, resp: aiohttp.ClientResponse) -> bytes:
 
 
 async def post(proxy: Proxy, role: str, inst: Instance, path: str, body: dict,
-               headers: dict) -> aiohttp.ClientResponse:
+               headers: dict, whole: bool = False) -> aiohttp.ClientResponse:
     """POST body to the instance's path; return the 2xx response still unread, or raise BackendError. An
-    instance that refuses the connection counts as a failed health check (the monitor may eject it)."""
+    instance that refuses the connection, or does not accept it within the connect timeout, never took the
+    request, and counts as a failed health check (the monitor may eject it). whole: the answer comes whole
+    (not streamed), so no byte may come before it is done: the caller bounds the wait with while_heard."""
     url = inst.url
     proxy.metrics.backend_request(role, inst.name)
     data = await encode_json(body)
     try:
-        resp = await proxy.session.post(url + path, data=data, headers={**headers, "Content-Type": JSON})
+        # (no timeout argument at all for a stream: aiohttp takes timeout=None for "no limit")
+        timeout = {"timeout": proxy.whole_timeout} if whole else {}
+        resp = await proxy.session.post(url + path, data=data, headers={**headers, "Content-Type": JSON}, **timeout)
     except NETWORK_ERRORS as e:
-        never_took = isinstance(e, aiohttp.ClientConnectorError)
+        never_took = isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
         if never_took:
             proxy.monitor.connect_failed(inst, e)
         raise BackendError(role, url, describe(e), public_detail=public_detail(e),
@@ -96,6 +104,27 @@ async def post(proxy: Proxy, role: str, inst: Instance, path: str, body: dict,
                        never_took_request=True)
 
 
+async def while_heard(proxy: Proxy, role: str, inst: Instance, hop: Awaitable[T]) -> T:
+    """Await `hop`, one step of a hop whose answer comes whole (not streamed; the prefill hop): the instance
+    is silent until it is done, so the --timeout of silence applies to its answers to the router's load polls
+    instead. BackendError (timed out) when it stops answering them for that long, or restarts; the hop is
+    cancelled then (its connection closed, so the instance aborts the request)."""
+    task = asyncio.ensure_future(hop)
+    began, restarts = time.monotonic(), inst.num_restarts
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=min(1.0, proxy.silence_s / 4))
+            if done:
+                return task.result()
+            if (why := inst.why_silent(began, restarts, proxy.silence_s, time.monotonic())) is not None:
+                raise BackendError(role, inst.url, f"timed out: {why}", public_detail="timed out")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, BackendError, *NETWORK_ERRORS):
+                await task
+
+
 async def prefill_hop(proxy: Proxy, inst: Instance, ticket: Ticket, path: str, body: dict,
                       headers: dict, kv_transfer_params: dict | None = None) -> dict:
     """P's kv_transfer_params for this request; BackendError when P fails or answers without them. One
@@ -106,7 +135,9 @@ async def prefill_hop(proxy: Proxy, inst: Instance, ticket: Ticket, path: str, b
     prefill_body.pop("stream_options", None)
     start = time.monotonic()
     try:
-        data = await read("prefill", inst.url, await post(proxy, "prefill", inst, path, prefill_body, headers))
+        resp = await while_heard(proxy, "prefill", inst, post(proxy, "prefill", inst, path, prefill_body, headers,
+                                                              whole=True))
+        data = await while_heard(proxy, "prefill", inst, read("prefill", inst.url, resp))
     except BackendError as e:
         if e.body is None:  # the backend's fault (not a 4xx, not a 503 at capacity)
             proxy.metrics.backend_error("prefill", inst.name)

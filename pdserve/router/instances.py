@@ -184,6 +184,7 @@ class Instance:
             raise ValueError(f"role: one of {', '.join(ROLES)}, got {role!r}")
         self.name, self.url, self.role = name, url, role
         self.state, self.consecutive_failures, self.detail = HEALTHY, 0, None
+        self.last_heard: float | None = None   # time.monotonic() of its last poll answered (healthy or not)
         self.removed = False                # Router.remove: out of the cluster (hops on it still end)
         self.report: LoadReport | None = None
         self.report_time: float | None = None
@@ -246,6 +247,21 @@ class Instance:
         was_ejected = self.state == EJECTED
         self.state, self.consecutive_failures, self.detail = HEALTHY, 0, None
         return was_ejected
+
+    def why_silent(self, began: float, since_restarts: int, silence_s: float, now: float) -> str | None:
+        """Why a hop begun at `began` (when the instance had `since_restarts` restarts) should stop waiting for
+        an answer that comes whole, or None while the instance is there: it answers the router's load polls
+        (healthy or not: a draining instance finishes what it has; a stuck engine is bounded by the
+        instance's own request deadline) and has not restarted. One removed from the cluster is not polled:
+        its hops end with it."""
+        if self.removed:
+            return None
+        if self.num_restarts != since_restarts:
+            return "restarted"
+        heard = max(began, self.last_heard or began)
+        if now - heard > silence_s:
+            return f"no answer to the load polls for {now - heard:.1f} s"
+        return None
 
     # --- reports ------------------------------------------------------------------------------------------
 

@@ -103,6 +103,7 @@ class Monitor:
         if inst.removed:
             return
         now = time.monotonic()
+        inst.last_heard = now
         if report is None:   # /health answered 200: alive, load unknown
             self.succeeded(inst)
             return

@@ -127,6 +127,9 @@ class Proxy:
         # total=None: a long stream is fine; a backend silent for `timeout` seconds is not.
         # sock_connect, not connect: the latter would also count waiting for a pool slot as the backend's.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
+        # An answer that comes whole is silent until done: hops.while_heard bounds it by the polls instead.
+        self.whole_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=None)
+        self.silence_s = timeout
         self.session: aiohttp.ClientSession | None = None
         self.metrics = ProxyMetrics(router)
         self.releases: set[asyncio.Task] = set()  # in the background: the client's answer does not wait
@@ -646,7 +649,13 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                              f"the client's own Authorization is never forwarded")
     add_routing_arguments(parser)
     g = parser.add_argument_group("limits and health")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds a backend may stay silent")
+    g.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a backend may stay silent: no byte of a streamed answer; for an answer that "
+                        "comes whole (not streamed, and the prefill hop) no answer to the router's load polls "
+                        "either, however long the computation itself takes")
+    g.add_argument("--connect-timeout", type=float, default=10.0,
+                   help="seconds a backend has to accept a connection; past it the request goes elsewhere as "
+                        "one the backend never took (and P's blocks are released at once)")
     g.add_argument("--max-in-flight", type=int, default=4096,
                    help="requests served at once; more get a 503 with Retry-After")
     g.add_argument("--max-per-instance", type=int, default=None,
@@ -681,7 +690,12 @@ def proxy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                           max_per_instance=args.max_per_instance, max_held_fraction=args.max_held_fraction,
                           cost_tolerance=args.cost_tolerance,
                           direct_prefill_headroom_s=args.direct_prefill_headroom)
-    return dict(api_key=args.api_key, timeout=args.timeout, router_key=args.router_key,
+    for name in ("timeout", "connect_timeout"):
+        if not getattr(args, name) > 0:   # (also NaN)
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, "
+                             f"got {getattr(args, name)}")
+    return dict(api_key=args.api_key, timeout=args.timeout, connect_timeout=args.connect_timeout,
+                router_key=args.router_key,
                 max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
                 max_recoveries=args.max_recoveries, policy=args.policy, router_config=config,
                 poll_interval=args.poll_interval, eject_after=args.eject_after,

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from pdserve.protocol import SSE_DONE, error_body, sse_event
 from pdserve.router.errors import NETWORK_ERRORS, BackendError, describe, public_detail
-from pdserve.router.hops import post, read
+from pdserve.router.hops import post, read, while_heard
 from pdserve.router.instances import Instance, Ticket
 from pdserve.router.policy import RouteRequest
 from pdserve.router.relay import MalformedStream, StreamRelay
@@ -55,7 +55,9 @@ async def final_hop(proxy: Proxy, request: web.Request, req: RouteRequest, inst:
         ticket = proxy.begin(inst, req, computes_prompt=computes_prompt)
         try:
             try:
-                resp = await post(proxy, role, inst, request.path, hop_body, headers)
+                resp = await (post(proxy, role, inst, request.path, hop_body, headers) if is_stream else
+                              while_heard(proxy, role, inst, post(proxy, role, inst, request.path, hop_body,
+                                                                  headers, whole=True)))
             except BackendError as e:
                 if e.never_took_request and release is not None:
                     release()
@@ -64,7 +66,7 @@ async def final_hop(proxy: Proxy, request: web.Request, req: RouteRequest, inst:
                 release = None   # P's blocks concern the first hop only
             try:
                 if not is_stream:
-                    data = await read(role, inst.url, resp)
+                    data = await while_heard(proxy, role, inst, read(role, inst.url, resp))
                     proxy.metrics.ttft.observe(time.monotonic() - start)
                     return web.Response(status=resp.status, body=data, headers={
                         "Content-Type": resp.headers.get("Content-Type", "application/json"),

@@ -257,6 +257,17 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+@pytest.fixture
+def unaccepting_url():
+    """A port that listens but never accepts: its one-slot backlog is full, so a new connection's SYN is
+    dropped and connecting times out (a host that is down, or a server too busy to accept)."""
+    with socket.socket() as server, socket.socket() as filler:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        filler.connect(server.getsockname())
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
 @pytest.fixture(scope="session")
 def loop():
     loop = asyncio.new_event_loop()

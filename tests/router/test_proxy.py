@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from pdserve import protocol
-from pdserve.router.proxy import PROXY_KEY, add_proxy_arguments, build_proxy_app
+from pdserve.router.proxy import PROXY_KEY, add_proxy_arguments, build_proxy_app, proxy_kwargs
 
 from .conftest import NEVER_EJECT, D_USAGE, MODEL, PIECES, dead_url, get_raw, post_raw
 
@@ -179,6 +179,49 @@ def test_decode_hop_that_never_happened_releases_p_blocks(harness, mode):
     assert wait_for(lambda: p.releases), "P was not told to release"
     assert p.releases == [{"kv_transfer_params": p.kv_transfer_params}]
     assert metrics(url)["pdserve:proxy_kv_releases_total"] == 1
+
+
+def test_a_decode_that_never_accepts_the_connection_releases_p_blocks(harness, unaccepting_url):
+    """A connect timeout is a hop D never took: P must not hold the prompt's blocks until its lease runs out."""
+    p = harness.backend("prefill")
+    url = harness.proxy([p], [unaccepting_url], connect_timeout=0.3, eject_after=NEVER_EJECT, max_recoveries=0)
+    code, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert code == 502 and error_of(raw)["message"].startswith("the decode-0 instance"), raw
+    assert wait_for(lambda: p.releases), "P was not told to release"
+    assert p.releases == [{"kv_transfer_params": p.kv_transfer_params}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_that_comes_whole_may_take_longer_than_the_timeout(harness, stream):
+    """--timeout bounds a backend's silence. P's answer, and D's when not streamed, come whole: a healthy
+    instance that answers the router's polls is waited for however long its computation takes."""
+    p, d = harness.backend("prefill", "slow_0.8s"), harness.backend("decode", "ok" if stream else "slow_0.8s")
+    url = harness.proxy([p], [d], timeout=0.3, max_recoveries=0)
+    code, _, raw = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=stream))
+    assert code == 200, raw
+    [d_hop] = d.received
+    assert d_hop.body.get("kv_transfer_params") == p.kv_transfer_params   # P's hop was not given up on
+    assert metrics(url).get("pdserve:proxy_kv_releases_total", 0) == 0
+
+
+def test_an_answer_that_comes_whole_fails_when_the_instance_stops_answering_polls(harness):
+    d = harness.backend("decode", "slow_5s")
+    d.load_mode = "hang"
+    url = harness.proxy([harness.backend("prefill")], [d], timeout=0.3, eject_after=NEVER_EJECT, max_recoveries=0)
+    began = time.monotonic()
+    code, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert code == 502 and error_of(raw)["message"] == "the decode-0 instance timed out", raw
+    assert time.monotonic() - began < 3.0
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--connect-timeout"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(flag, value):
+    parser = argparse.ArgumentParser()
+    add_proxy_arguments(parser)
+    args = parser.parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", flag, value])
+    with pytest.raises(ValueError, match=flag):
+        proxy_kwargs(args)
 
 
 @pytest.mark.parametrize("mode", ["ok", "silent"])
