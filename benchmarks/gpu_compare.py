@@ -62,6 +62,8 @@ def compare_command(workload: str, out_dir: Path, base_port: int, args: argparse
         overrides += ["--request-rates", args.request_rates]
     if args.configs:
         overrides += ["--configs", args.configs]
+    if args.router_args:
+        overrides += [f"--router-args={args.router_args}"]   # (= : flags without a space parse too)
     return [sys.executable, "-m", "pdserve", "bench", "compare", "--device", "cuda", "--num-devices", "2",
             *MODEL, *WORKLOADS[workload], *overrides, *SLO, "--ignore-eos", "--seed", "0",
             "--chunked-budget", str(args.chunked_budget), "--kv-connector", args.kv_connector,
@@ -79,6 +81,9 @@ def main() -> int:
     p.add_argument("--num-prompts", default=None, help="override the workload's prompts per rate")
     p.add_argument("--request-rates", default=None, help="override the workload's rates")
     p.add_argument("--configs", default=None, help="only these configurations (bench compare --configs)")
+    p.add_argument("--router-args", default="", metavar="'FLAGS'",
+                   help="the disaggregated configuration's router flags, e.g. '--policy cost "
+                        "--pd-min-prompt-tokens 256' (bench compare --router-args)")
     args = p.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     gpus = visible_gpus()
