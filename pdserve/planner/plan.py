@@ -2,9 +2,15 @@
 an SLO, predicted by simulating each candidate cluster (planner/simulator.py) on a step profile measured on
 the target hardware (planner/profile.py).
 
-For every total from 1 to --max-instances it simulates N colocated instances and every P:D split of N, on
-the same requests, and recommends the smallest total whose best candidate reaches --target-attainment
-(ties: the higher attainment, then the higher goodput).
+Up to EXHAUSTIVE_UP_TO instances (or with --search exhaustive) it simulates, for every total N from 1 to
+--max-instances, N colocated instances and every P:D split of N, on the same requests, and recommends the
+smallest total whose best candidate reaches --target-attainment (ties: the higher attainment, then the higher
+goodput). That is N^2/2 simulations, too many for a pool of hundreds, so past it (--search bisection) the
+two pools are sized apart, as DistServe does: the fewest D that meet the TPOT SLO behind the largest prefill
+pool, the fewest P that meet the TTFT SLO with twice those D (each a galloping bisection, attainment
+growing with the pool), then one instance at a time is added to the pool whose SLO the pair misses more
+until both are met; colocated by bisection too. About 6 log2(N) simulations, and a total within a few
+instances of the exhaustive search's (tests/planner/test_plan_search.py).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from pdserve.planner.simulator import POLICIES, ClusterSpec, EngineSpec, Workloa
 
 PROFILES = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = PROFILES / "h200-llama-3.1-8b.json"
+EXHAUSTIVE_UP_TO = 16   # --search auto: every split up to this many instances, bisection past it
 # The two workloads of the issue 5 comparison (pdserve bench compare; benchmarks/gpu_compare.py).
 NAMED_WORKLOADS = {
     "prefill-heavy": {"input_len": 5120, "range_ratio": 0.6, "output_len": 320, "output_range_ratio": 0.6},
@@ -66,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default="least-load")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=0,
                    help="prompts shorter than this go straight to a decode instance (default: 0, never)")
+    p.add_argument("--search", choices=("auto", "exhaustive", "bisection"), default="auto",
+                   help=f"exhaustive: every split of every total (N^2/2 simulations); bisection: each pool sized "
+                        f"apart (~6 log2 N); auto: exhaustive up to {EXHAUSTIVE_UP_TO} instances (default: auto)")
     p.add_argument("--no-colocated", action="store_true", help="consider P/D splits only")
     p.add_argument("--no-pd", action="store_true", help="consider colocated instances only")
     p.add_argument("--seed", type=int, default=0)
@@ -116,6 +126,94 @@ def candidates(max_instances: int, colocated: bool, pd: bool):
                 yield total, (p, total - p, 0)
 
 
+class Trials:
+    """Each cluster simulated once on the plan's requests; its row kept in the order simulated."""
+
+    def __init__(self, base: ClusterSpec, model: StepModel, workload: Workload, slo_ttft_s: float,
+                 slo_tpot_s: float, target: float, max_instances: int, seed: int) -> None:
+        self.base, self.model, self.workload, self.seed = base, model, workload, seed
+        self.slo, self.target, self.max_instances = (slo_ttft_s, slo_tpot_s), target, max_instances
+        self.rows: list[dict] = []
+        self._rows: dict[tuple[int, int, int], dict] = {}
+
+    def row(self, p: int, d: int, c: int) -> dict:
+        if (p, d, c) not in self._rows:
+            cluster = replace(self.base, num_prefill=p, num_decode=d, num_colocated=c)
+            summary = simulate(cluster, self.model, self.workload, seed=self.seed).summary(*self.slo)
+            goodput = summary["slo_attainment"] * len(self.workload) / max(summary["duration_s"], 1e-9)
+            # a probe sizes one pool with the other as large as allowed: more than --max-instances in all
+            row = {"cluster": cluster.describe(), "instances": p + d + c, "prefill": p, "decode": d, "colocated": c,
+                   **summary, "goodput_req_s": goodput, "probe": p + d + c > self.max_instances}
+            self.rows.append(row)
+            self._rows[p, d, c] = row
+        return self._rows[p, d, c]
+
+    def meets(self, row: dict, attainment: str = "slo_attainment") -> bool:
+        return row[attainment] >= self.target and not row["rejected"]
+
+
+def better(row: dict, than: dict | None) -> bool:
+    """Fewer instances, then the higher attainment, then the higher goodput."""
+    return than is None or (-row["instances"], row["slo_attainment"], row["goodput_req_s"]) > \
+        (-than["instances"], than["slo_attainment"], than["goodput_req_s"])
+
+
+def search_exhaustive(trials: Trials, colocated: bool, pd: bool) -> dict | None:
+    chosen = None
+    for total, (p, d, c) in candidates(trials.max_instances, colocated, pd):
+        if chosen is not None and total > chosen["instances"]:
+            break
+        row = trials.row(p, d, c)
+        if trials.meets(row) and better(row, chosen):
+            chosen = row
+    return chosen
+
+
+def smallest(lo: int, hi: int, ok) -> int | None:
+    """The smallest n in [lo, hi] with ok(n), for ok False then True as n grows; None when there is none.
+    Galloping (lo, 2 lo, 4 lo, ...), then bisecting: a large pool costs more to simulate than a small one
+    (every instance steps on its own), so the sizes tried stay within twice the answer."""
+    if lo > hi:
+        return None
+    below, n = lo - 1, lo
+    while not ok(n):
+        if n >= hi:
+            return None
+        below, n = n, min(hi, 2 * n)
+    while n - below > 1:
+        mid = (below + n) // 2
+        if ok(mid):
+            n = mid
+        else:
+            below = mid
+    return n
+
+
+def search_bisection(trials: Trials, colocated: bool, pd: bool) -> dict | None:
+    n, chosen = trials.max_instances, None
+    if colocated and (c := smallest(1, n, lambda c: trials.meets(trials.row(0, 0, c)))) is not None:
+        chosen = trials.row(0, 0, c)
+    if not pd or n < 2:
+        return chosen
+    # D first, behind the largest prefill pool (a prefill step's cost grows with its tokens, not with the
+    # pool's size); then P, with twice those D (a saturated decode pool would hold handoffs back).
+    d = smallest(1, n - 1, lambda d: trials.meets(trials.row(n - 1, d, 0), "tpot_attainment"))
+    if d is None:
+        return chosen
+    p = smallest(1, n - 1, lambda p: trials.meets(trials.row(p, min(n - 1, 2 * d), 0), "ttft_attainment"))
+    if p is None:
+        return chosen
+    while p + d <= n and (chosen is None or p + d <= chosen["instances"]):
+        row = trials.row(p, d, 0)
+        if trials.meets(row):
+            return row if better(row, chosen) else chosen
+        if row["ttft_attainment"] < row["tpot_attainment"]:
+            p += 1
+        else:
+            d += 1
+    return chosen
+
+
 def plan(args: argparse.Namespace) -> dict:
     for name in ("rate", "slo_ttft_ms", "slo_tpot_ms", "handoff_gbps"):
         value = getattr(args, name)
@@ -143,45 +241,40 @@ def plan(args: argparse.Namespace) -> dict:
     base = ClusterSpec(engine=engine, policy=args.policy, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
                        kv_bytes_per_token=kv_bytes, handoff_bytes_per_s=args.handoff_gbps * 1e9,
                        handoff_latency_s=args.handoff_latency_ms / 1e3)
-    slo_ttft, slo_tpot = args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
-    rows, chosen = [], None
+    trials = Trials(base, model, workload, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.target_attainment,
+                    args.max_instances, args.seed)
+    search = args.search if args.search != "auto" else \
+        "exhaustive" if args.max_instances <= EXHAUSTIVE_UP_TO else "bisection"
     start = time.perf_counter()
-    for total, (p, d, c) in candidates(args.max_instances, not args.no_colocated, not args.no_pd):
-        if chosen is not None and total > chosen["instances"]:
-            break
-        cluster = replace(base, num_prefill=p, num_decode=d, num_colocated=c)
-        result = simulate(cluster, model, workload, seed=args.seed)
-        summary = result.summary(slo_ttft, slo_tpot)
-        row = {"cluster": cluster.describe(), "instances": total, "prefill": p, "decode": d, "colocated": c,
-               **summary, "goodput_req_s": summary["slo_attainment"] * len(workload) / max(summary["duration_s"], 1e-9)}
-        rows.append(row)
-        if row["slo_attainment"] >= args.target_attainment and not row["rejected"]:
-            if chosen is None or (row["slo_attainment"], row["goodput_req_s"]) > (chosen["slo_attainment"],
-                                                                                 chosen["goodput_req_s"]):
-                chosen = row
+    chosen = (search_exhaustive if search == "exhaustive" else search_bisection)(
+        trials, not args.no_colocated, not args.no_pd)
     return {"workload": args.workload, "rate": args.rate, "requests": len(workload), "slo_ttft_ms": args.slo_ttft_ms,
             "slo_tpot_ms": args.slo_tpot_ms, "target_attainment": args.target_attainment, "profile": args.profile,
-            "candidates": rows, "recommended": chosen, "seconds": time.perf_counter() - start}
+            "search": search, "max_instances": args.max_instances, "candidates": trials.rows, "recommended": chosen,
+            "seconds": time.perf_counter() - start}
 
 
 def format_plan(report: dict) -> str:
     lines = [f"{report['requests']} requests of {report['workload']} at {report['rate']:g} req/s, SLO TTFT <= "
              f"{report['slo_ttft_ms']:g} ms and TPOT <= {report['slo_tpot_ms']:g} ms for "
-             f"{report['target_attainment']:.0%} (simulated in {report['seconds']:.1f} s)",
+             f"{report['target_attainment']:.0%} ({len(report['candidates'])} clusters simulated in "
+             f"{report['seconds']:.1f} s, {report['search']} search)",
              f"{'cluster':>16} {'attain':>7} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p50':>9} {'TPOT p90':>9} "
              f"{'goodput':>8}"]
     for r in report["candidates"]:
         lines.append(f"{r['cluster']:>16} {r['slo_attainment']:>7.1%} {r['ttft_p50_ms']:>7.0f}ms {r['ttft_p90_ms']:>7.0f}ms "
                      f"{r['tpot_p50_ms']:>7.1f}ms {r['tpot_p90_ms']:>7.1f}ms {r['goodput_req_s']:>8.2f}"
-                     + (f"  ({r['rejected']} never fit)" if r["rejected"] else ""))
+                     + (f"  ({r['rejected']} never fit)" if r["rejected"] else "")
+                     + ("  (a probe: one pool sized with the other at its largest)" if r["probe"] else ""))
     best = report["recommended"]
     never = min(r["rejected"] for r in report["candidates"])
     if best is None and never:
         lines.append(f"{never} of {report['requests']} requests never fit an instance (KV above "
                      f"--kv-capacity-tokens, or without chunked prefill a prompt above --max-num-batched-tokens)")
     elif best is None:
-        lines.append(f"no cluster of up to {max(r['instances'] for r in report['candidates'])} instances meets the "
-                     f"SLO at this rate: raise --max-instances, or relax the SLO")
+        lines.append(f"no cluster of up to {report['max_instances']} instances meets the SLO at this rate"
+                     + (" (as far as the bisection sees)" if report["search"] == "bisection" else "")
+                     + ": raise --max-instances, or relax the SLO")
     else:
         lines.append(f"recommended: {best['cluster']} ({best['instances']} instance(s)), predicted attainment "
                      f"{best['slo_attainment']:.1%}, goodput {best['goodput_req_s']:.2f} req/s")

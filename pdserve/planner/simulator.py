@@ -166,6 +166,8 @@ class Result:
         def pct(a, q):
             return float(np.percentile(a, q)) if len(a) else 0.0
         return {"requests": int(len(self.ttft)), "slo_attainment": self.attainment(slo_ttft_s, slo_tpot_s),
+                "ttft_attainment": self.attainment(slo_ttft_s, math.inf),
+                "tpot_attainment": self.attainment(math.inf, slo_tpot_s),
                 "ttft_p50_ms": pct(self.ttft, 50) * 1e3, "ttft_p90_ms": pct(self.ttft, 90) * 1e3,
                 "tpot_p50_ms": pct(self.tpot, 50) * 1e3, "tpot_p90_ms": pct(self.tpot, 90) * 1e3,
                 "duration_s": float(self.finish.max()) if len(self.finish) else 0.0, "steps": self.steps,
