@@ -3,7 +3,6 @@ of the request lifecycle in proxy.py) and the release of P's blocks no D took (s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -67,8 +66,9 @@ async def post(proxy: Proxy, role: str, inst: Instance, path: str, body: dict,
                headers: dict, whole: bool = False) -> aiohttp.ClientResponse:
     """POST body to the instance's path; return the 2xx response still unread, or raise BackendError. An
     instance that refuses the connection, or does not accept it within the connect timeout, never took the
-    request, and counts as a failed health check (the monitor may eject it). whole: the answer comes whole
-    (not streamed), so no byte may come before it is done: the caller bounds the wait with while_heard."""
+    request, and counts as a failed health check (the monitor may eject it). whole: no limit on reading (the
+    session's is --timeout between two bytes): the caller bounds the wait for the first byte with while_heard,
+    and a stream's reads itself."""
     url = inst.url
     proxy.metrics.backend_request(role, inst.name)
     data = await encode_json(body)
@@ -105,24 +105,36 @@ async def post(proxy: Proxy, role: str, inst: Instance, path: str, body: dict,
 
 
 async def while_heard(proxy: Proxy, role: str, inst: Instance, hop: Awaitable[T]) -> T:
-    """Await `hop`, one step of a hop whose answer comes whole (not streamed; the prefill hop): the instance
-    is silent until it is done, so the --timeout of silence applies to its answers to the router's load polls
-    instead. BackendError (timed out) when it stops answering them for that long, or restarts; the hop is
-    cancelled then (its connection closed, so the instance aborts the request)."""
-    task = asyncio.ensure_future(hop)
+    """Await `hop`, a step of a hop before the instance's first byte: a whole answer (not streamed; the prefill
+    hop) or a stream's headers, which a pdserve instance sends with its first token. The instance is silent
+    until its prompt is computed, so the --timeout of silence applies to its healthy load reports instead
+    (Instance.why_silent), and never to less than a poll round can take. BackendError (timed out) when it
+    stops sending them for that long, or restarts; the hop is cancelled then (its connection closed, so the
+    instance aborts the request). The hop runs in the caller's task (a watchdog on the loop cancels it), so
+    it resumes as soon as it is done, and a cancellation of the caller is its own."""
     began, restarts = time.monotonic(), inst.num_restarts
+    silence_s = max(proxy.silence_s, proxy.monitor.interval + proxy.monitor.timeout)
+    period = min(1.0, silence_s / 4)
+    loop = asyncio.get_running_loop()
+    why: str | None = None
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=min(1.0, proxy.silence_s / 4))
-            if done:
-                return task.result()
-            if (why := inst.why_silent(began, restarts, proxy.silence_s, time.monotonic())) is not None:
-                raise BackendError(role, inst.url, f"timed out: {why}", public_detail="timed out")
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, BackendError, *NETWORK_ERRORS):
-                await task
+        async with asyncio.timeout(None) as deadline:
+            def look() -> None:
+                nonlocal why, watchdog
+                why = inst.why_silent(began, restarts, silence_s, time.monotonic())
+                if why is None:
+                    watchdog = loop.call_later(period, look)
+                else:
+                    deadline.reschedule(loop.time())   # now: the hop is cancelled, the block raises TimeoutError
+            watchdog = loop.call_later(period, look)
+            try:
+                return await hop
+            finally:
+                watchdog.cancel()
+    except TimeoutError:
+        if why is None:   # (not the watchdog's: the hop's own, which post and read turn into BackendError)
+            raise
+        raise BackendError(role, inst.url, f"timed out: {why}", public_detail="timed out") from None
 
 
 async def prefill_hop(proxy: Proxy, inst: Instance, ticket: Ticket, path: str, body: dict,

@@ -184,8 +184,9 @@ class Instance:
             raise ValueError(f"role: one of {', '.join(ROLES)}, got {role!r}")
         self.name, self.url, self.role = name, url, role
         self.state, self.consecutive_failures, self.detail = HEALTHY, 0, None
-        self.last_heard: float | None = None   # time.monotonic() of its last poll answered (healthy or not)
+        self.last_heard: float | None = None   # time.monotonic() of its last healthy load report
         self.removed = False                # Router.remove: out of the cluster (hops on it still end)
+        self.removed_at: float | None = None   # ... since then, no longer polled
         self.report: LoadReport | None = None
         self.report_time: float | None = None
         self.num_reports = self.num_restarts = self.num_ejections = 0
@@ -250,17 +251,16 @@ class Instance:
 
     def why_silent(self, began: float, since_restarts: int, silence_s: float, now: float) -> str | None:
         """Why a hop begun at `began` (when the instance had `since_restarts` restarts) should stop waiting for
-        an answer that comes whole, or None while the instance is there: it answers the router's load polls
-        (healthy or not: a draining instance finishes what it has; a stuck engine is bounded by the
-        instance's own request deadline) and has not restarted. One removed from the cluster is not polled:
-        its hops end with it."""
-        if self.removed:
-            return None
+        an answer that comes whole, or None while it may go on: the instance has not restarted, and it sent a
+        healthy load report (a pdserve instance's health says its engine is stepping) within silence_s of now
+        or of `began`. An instance that sends no load reports (another server, probed on /health, which says
+        nothing of its engine) or was removed from the cluster (no longer polled) gets silence_s from `began`
+        or from its removal, as a stream gets between two bytes."""
         if self.num_restarts != since_restarts:
             return "restarted"
-        heard = max(began, self.last_heard or began)
+        heard = max(began, self.removed_at or began) if self.removed else max(began, self.last_heard or began)
         if now - heard > silence_s:
-            return f"no answer to the load polls for {now - heard:.1f} s"
+            return f"no healthy load report for {now - heard:.1f} s"
         return None
 
     # --- reports ------------------------------------------------------------------------------------------

@@ -103,7 +103,6 @@ class Monitor:
         if inst.removed:
             return
         now = time.monotonic()
-        inst.last_heard = now
         if report is None:   # /health answered 200: alive, load unknown
             self.succeeded(inst)
             return
@@ -122,6 +121,7 @@ class Monitor:
         if report.get("healthy") is False:
             self.failed(inst, f"unhealthy: {report.get('health')}")
             return
+        inst.last_heard = now   # its engine is stepping: whole answers on it may go on (hops.while_heard)
         self.succeeded(inst)
 
     def learn(self, inst: Instance, report: dict, now: float) -> bool:

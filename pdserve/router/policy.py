@@ -10,6 +10,7 @@ and its predictions of which instance will cache the prompt.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -303,6 +304,7 @@ class Router:
             return None
         self.instances.remove(inst)
         inst.removed = True   # a poll of it still in flight must not bring it back into the index
+        inst.removed_at = time.monotonic()
         del self.position[name]
         self.index.release(name)
         self.has_prefill_pool = any(i.role == "prefill" for i in self.instances)

@@ -650,9 +650,9 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     add_routing_arguments(parser)
     g = parser.add_argument_group("limits and health")
     g.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds a backend may stay silent: no byte of a streamed answer; for an answer that "
-                        "comes whole (not streamed, and the prefill hop) no answer to the router's load polls "
-                        "either, however long the computation itself takes")
+                   help="seconds a backend may stay silent: no byte once it answered; before its first byte "
+                        "(computing the prompt, or a non-streamed answer) no healthy load report either, "
+                        "however long the computation itself takes")
     g.add_argument("--connect-timeout", type=float, default=10.0,
                    help="seconds a backend has to accept a connection; past it the request goes elsewhere as "
                         "one the backend never took (and P's blocks are released at once)")

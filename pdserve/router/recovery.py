@@ -55,9 +55,10 @@ async def final_hop(proxy: Proxy, request: web.Request, req: RouteRequest, inst:
         ticket = proxy.begin(inst, req, computes_prompt=computes_prompt)
         try:
             try:
-                resp = await (post(proxy, role, inst, request.path, hop_body, headers) if is_stream else
-                              while_heard(proxy, role, inst, post(proxy, role, inst, request.path, hop_body,
-                                                                  headers, whole=True)))
+                # until its first byte the instance computes the prompt (a stream's headers come with the
+                # first token): bounded by its load reports; after it, by --timeout between two bytes
+                resp = await while_heard(proxy, role, inst, post(proxy, role, inst, request.path, hop_body,
+                                                                 headers, whole=True))
             except BackendError as e:
                 if e.never_took_request and release is not None:
                     release()
@@ -176,8 +177,9 @@ async def stream(proxy: Proxy, out: web.StreamResponse, role: str, inst: Instanc
     url = inst.url
     while True:
         try:
-            chunk = await resp.content.readany()
-        except NETWORK_ERRORS as e:
+            async with asyncio.timeout(proxy.silence_s):   # (the hop's own timeout has no read limit)
+                chunk = await resp.content.readany()
+        except NETWORK_ERRORS as e:   # (asyncio's TimeoutError among them)
             raise BackendError(role, url, f"{describe(e)} (mid-stream)",
                                public_detail=f"{public_detail(e)} mid-stream") from e
         if not chunk:

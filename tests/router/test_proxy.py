@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import re
@@ -152,7 +153,9 @@ def test_missing_kv_transfer_params_gives_502_naming_the_prefill_when_no_decode_
 @pytest.mark.parametrize("mode,status", [("http500", 502), ("http400", 400), ("silent", 502)])
 def test_decode_failure_before_streaming(harness, mode, status):
     p, d = harness.backend("prefill"), harness.backend("decode", mode)
-    url = harness.proxy([p], [d], timeout=0.3)
+    if mode == "silent":   # and its load reports too: an instance that answers them is computing
+        d.load_mode = "hang"
+    url = harness.proxy([p], [d], timeout=0.3, eject_after=NEVER_EJECT)
     code, _, raw = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True))
     assert code == status
     message = error_of(raw)["message"]
@@ -192,11 +195,13 @@ def test_a_decode_that_never_accepts_the_connection_releases_p_blocks(harness, u
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_answer_that_comes_whole_may_take_longer_than_the_timeout(harness, stream):
-    """--timeout bounds a backend's silence. P's answer, and D's when not streamed, come whole: a healthy
-    instance that answers the router's polls is waited for however long its computation takes."""
-    p, d = harness.backend("prefill", "slow_0.8s"), harness.backend("decode", "ok" if stream else "slow_0.8s")
-    url = harness.proxy([p], [d], timeout=0.3, max_recoveries=0)
+@pytest.mark.parametrize("poll_interval", [0.1, 1.0])
+def test_an_answer_that_comes_whole_may_take_longer_than_the_timeout(harness, stream, poll_interval):
+    """--timeout bounds a backend's silence. Before its first byte an instance computes the prompt (P's answer
+    and a non-streamed one come whole; a stream's headers come with its first token): a healthy instance that
+    sends its load reports is waited for however long that takes, and however seldom it is polled."""
+    p, d = harness.backend("prefill", "slow_0.8s"), harness.backend("decode", "slow_0.8s")
+    url = harness.proxy([p], [d], timeout=0.3, max_recoveries=0, poll_interval=poll_interval)
     code, _, raw = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=stream))
     assert code == 200, raw
     [d_hop] = d.received
@@ -204,14 +209,50 @@ def test_an_answer_that_comes_whole_may_take_longer_than_the_timeout(harness, st
     assert metrics(url).get("pdserve:proxy_kv_releases_total", 0) == 0
 
 
-def test_an_answer_that_comes_whole_fails_when_the_instance_stops_answering_polls(harness):
+def test_a_direct_stream_may_compute_its_prompt_for_longer_than_the_timeout(harness):
+    c = harness.backend("colocated", "slow_0.8s")
+    url = harness.proxy(colocated=[c], timeout=0.3, max_recoveries=0)
+    code, _, raw = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True))
+    assert code == 200 and raw.endswith(protocol.SSE_DONE), raw
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_that_comes_whole_fails_when_the_instance_stops_answering_polls(harness, stream):
     d = harness.backend("decode", "slow_5s")
     d.load_mode = "hang"
     url = harness.proxy([harness.backend("prefill")], [d], timeout=0.3, eject_after=NEVER_EJECT, max_recoveries=0)
     began = time.monotonic()
-    code, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    code, _, raw = post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=stream))
     assert code == 502 and error_of(raw)["message"] == "the decode-0 instance timed out", raw
-    assert time.monotonic() - began < 3.0
+    assert time.monotonic() - began < 4.0   # a poll round's bound (0.1 + 2 s) at least, not the 5 s answer
+
+
+def test_an_answer_that_comes_whole_fails_when_the_instance_says_it_is_stuck(harness):
+    """An unhealthy report (a pdserve instance whose engine is stuck in a step) is no sign of progress."""
+    c = harness.backend("colocated", "slow_5s")
+    url = harness.proxy(colocated=[c], timeout=0.3, eject_after=1, max_recoveries=0)
+    c.load = {"healthy": False, "health": "engine stalled: no word from the engine process for 60 s"}
+    began = time.monotonic()
+    code, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert code == 502 and error_of(raw)["message"] == "the colocated-0 instance timed out", raw
+    assert time.monotonic() - began < 4.0
+
+
+def test_an_answer_that_comes_whole_from_a_removed_instance_is_bounded_by_the_timeout(harness):
+    """A removed instance is no longer polled: its hops get --timeout from the removal (a hostile review:
+    one on a node that vanished waited forever)."""
+    c, other = harness.backend("colocated", "slow_5s"), harness.backend("colocated")
+    url = harness.proxy(colocated=[c, other], timeout=0.3, eject_after=NEVER_EJECT, max_recoveries=0)
+    proxy = harness.proxy_app[PROXY_KEY]
+
+    async def remove_soon():
+        await asyncio.sleep(0.3)
+        proxy.set_members([("colocated-1", other.url, "colocated")])
+    began = time.monotonic()
+    asyncio.run_coroutine_threadsafe(remove_soon(), harness.loop)
+    code, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert code == 502 and "timed out" in error_of(raw)["message"], raw
+    assert time.monotonic() - began < 4.0
 
 
 @pytest.mark.parametrize("flag", ["--timeout", "--connect-timeout"])
@@ -228,8 +269,10 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(flag, value):
 def test_no_release_when_d_may_be_reading(harness, mode):
     """Served, or D timed out (it may be reading P's blocks: it releases or finishes the read itself)."""
     p, d, failing = harness.backend("prefill"), harness.backend("decode", mode), harness.backend("decode", "http500")
+    if mode == "silent":   # and its load reports too: an instance that answers them is computing
+        d.load_mode = "hang"
     # round-robin: d first, then failing; no recovery (which would resume each request on the other D)
-    url = harness.proxy([p], [d, failing], timeout=0.3, max_recoveries=0)
+    url = harness.proxy([p], [d, failing], timeout=0.3, max_recoveries=0, eject_after=NEVER_EJECT)
     assert post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True))[0] == (200 if mode == "ok" else 502)
     assert post_raw(url, "/v1/completions", dict(PROMPT_BODY, stream=True))[0] == 502
     # the second request's release arrives; had the first sent one, it would be here by then too
