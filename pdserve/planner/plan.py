@@ -8,9 +8,10 @@ smallest total whose best candidate reaches --target-attainment (ties: the highe
 goodput). That is N^2/2 simulations, too many for a pool of hundreds, so past it (--search bisection) the
 two pools are sized apart, as DistServe does: the fewest D that meet the TPOT SLO behind the largest prefill
 pool, the fewest P that meet the TTFT SLO with twice those D (each a galloping bisection, attainment
-growing with the pool), then one instance at a time is added to the pool whose SLO the pair misses more
-until both are met; colocated by bisection too. About 6 log2(N) simulations, and a total within a few
-instances of the exhaustive search's (tests/planner/test_plan_search.py).
+growing with the pool); then, while the pair misses, the pool whose growth helps more grows by an eighth of
+the cluster, and once it meets the SLO each pool shrinks back as far as it still does; colocated by
+bisection too. A few dozen simulations at any size, and on the tests' plans the exhaustive search's total
+(tests/planner/test_plan_search.py).
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts shorter than this go straight to a decode instance (default: 0, never)")
     p.add_argument("--search", choices=("auto", "exhaustive", "bisection"), default="auto",
                    help=f"exhaustive: every split of every total (N^2/2 simulations); bisection: each pool sized "
-                        f"apart (~6 log2 N); auto: exhaustive up to {EXHAUSTIVE_UP_TO} instances (default: auto)")
+                        f"apart (a few dozen); auto: exhaustive up to {EXHAUSTIVE_UP_TO} instances (default: auto)")
     p.add_argument("--no-colocated", action="store_true", help="consider P/D splits only")
     p.add_argument("--no-pd", action="store_true", help="consider colocated instances only")
     p.add_argument("--seed", type=int, default=0)
@@ -189,6 +190,9 @@ def smallest(lo: int, hi: int, ok) -> int | None:
     return n
 
 
+MAX_JOINT_STEPS = 64   # the bisection's steps from the two pools sized apart to a pair that meets both SLOs
+
+
 def search_bisection(trials: Trials, colocated: bool, pd: bool) -> dict | None:
     n, chosen = trials.max_instances, None
     if colocated and (c := smallest(1, n, lambda c: trials.meets(trials.row(0, 0, c)))) is not None:
@@ -196,21 +200,28 @@ def search_bisection(trials: Trials, colocated: bool, pd: bool) -> dict | None:
     if not pd or n < 2:
         return chosen
     # D first, behind the largest prefill pool (a prefill step's cost grows with its tokens, not with the
-    # pool's size); then P, with twice those D (a saturated decode pool would hold handoffs back).
+    # pool's size); then P, with twice those D (a saturated decode pool would hold handoffs back). A P pool
+    # that never meets TTFT alone (prompts that D prefills itself: --pd-min-prompt-tokens) starts at 1.
     d = smallest(1, n - 1, lambda d: trials.meets(trials.row(n - 1, d, 0), "tpot_attainment"))
     if d is None:
         return chosen
-    p = smallest(1, n - 1, lambda p: trials.meets(trials.row(p, min(n - 1, 2 * d), 0), "ttft_attainment"))
-    if p is None:
-        return chosen
-    while p + d <= n and (chosen is None or p + d <= chosen["instances"]):
-        row = trials.row(p, d, 0)
-        if trials.meets(row):
+    p = smallest(1, n - 1, lambda p: trials.meets(trials.row(p, min(n - 1, 2 * d), 0), "ttft_attainment")) or 1
+    # Together they may miss: grow the pool whose growth helps more, by an eighth of the cluster at a time
+    # (a few dozen steps at any size), then shrink each pool back as far as the pair still meets the SLO.
+    for _ in range(MAX_JOINT_STEPS):
+        if p + d > n or (chosen is not None and p + d > chosen["instances"]):
+            return chosen
+        if trials.meets(trials.row(p, d, 0)):
+            p = smallest(1, p, lambda x: trials.meets(trials.row(x, d, 0)))
+            d = smallest(1, d, lambda x: trials.meets(trials.row(p, x, 0)))
+            row = trials.row(p, d, 0)
             return row if better(row, chosen) else chosen
-        if row["ttft_attainment"] < row["tpot_attainment"]:
-            p += 1
+        step = max(1, (p + d) // 8)
+        more_p, more_d = trials.row(p + step, d, 0), trials.row(p, d + step, 0)
+        if (more_p["slo_attainment"], more_p["goodput_req_s"]) >= (more_d["slo_attainment"], more_d["goodput_req_s"]):
+            p += step
         else:
-            d += 1
+            d += step
     return chosen
 
 
