@@ -468,7 +468,7 @@ class Instance:
         num_blocks, free = self.num_blocks, self._reported("num_free_blocks")
         return {
             "name": self.name, "role": self.role, "handoff": self.handoff if self.role != "colocated" else None,
-            "state": self.state, "detail": self.detail,
+            "state": self.state, "detail": self.detail, "restarts": self.num_restarts, "ejections": self.num_ejections,
             "consecutive_failures": self.consecutive_failures, "in_flight": self.num_in_flight,
             "own_in_flight": self.own_in_flight, "sent": self.num_sent, "running": self._reported("num_requests_running"),
             "waiting": self._reported("num_requests_waiting"),

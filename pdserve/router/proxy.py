@@ -94,7 +94,9 @@ logger = logging.getLogger(__name__)
 ROUTER_FIELDS = ("kv_transfer_params", "resume", "router_token_ids")   # dropped from client bodies
 DEFAULT_MAX_RECOVERIES = 2
 MAX_PREFILL_ATTEMPTS = 2   # prefill hops one request may fail before it goes to a D (or colocated) alone
-DEFAULT_POLICY = "round-robin"
+# Measured better than round-robin where prompts share prefixes and level where they do not (CPU, 2P2D:
+# docs/benchmarks.md, "the router's policies", 2026-12-03 and 2026-12-07), as issue 14 asked of a default.
+DEFAULT_POLICY = "cost"
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 DEFAULT_MAX_QUEUED = 1024
 

@@ -1,6 +1,6 @@
 """A real 2P2D cluster plus a colocated instance behind the router (cost policy, conditional PD): identical
 greedy output, the direct path for short prompts and follow-up turns, ejection and re-admission of a
-frozen instance, 503s under overload with nothing left held, and the router's view of it all."""
+frozen instance and of a killed one restarted, 503s under overload with nothing left held, and the router's view of it all."""
 from __future__ import annotations
 
 import json
@@ -44,8 +44,8 @@ def cluster():
         started.append(router)
         router.wait_healthy(120)
         yield {**pools, "colocated": colocated, "router": router}
-    finally:
-        for p in reversed(started):
+    finally:   # (a test may have restarted an instance: the pools hold the new process)
+        for p in reversed(started + [p for pool in pools.values() for p in pool if p not in started]):
             p.stop()
 
 
@@ -121,6 +121,26 @@ def test_a_frozen_decode_is_ejected_then_readmitted(cluster):
     assert wait_until(lambda: {i["name"]: i["state"] for i in cluster_view(router)["instances"]}
                       ["decode-1"] == "healthy", timeout=30)
     assert router.metrics().get("proxy_requests_total", 0) > 0
+
+
+def test_a_killed_decode_is_ejected_then_readmitted_once_restarted(cluster):
+    """SIGKILL, not a freeze: connections to it are refused, requests go to the live D, and the same
+    instance started again on its port is seen as a restart (its cache forgotten) and routed to again."""
+    router, killed = cluster["router"], cluster["decode"][1]
+
+    def state() -> dict:
+        return {i["name"]: i for i in cluster_view(router)["instances"]}["decode-1"]
+    restarts = state()["restarts"]
+    killed.signal(signal.SIGKILL)
+    try:
+        assert wait_until(lambda: state()["state"] == "ejected", timeout=30)
+        for question in CHATS:
+            assert chat(router, [{"role": "user", "content": question + " Be short."}])["choices"]
+    finally:
+        cluster["decode"][1] = killed.restart().wait_healthy()
+    assert wait_until(lambda: state()["state"] == "healthy" and state()["restarts"] > restarts, timeout=60)
+    assert state()["ejections"] >= 1
+    assert chat(router, [{"role": "user", "content": CHATS[0]}])["choices"]
 
 
 def test_overload_gets_503_with_retry_after_and_leaves_nothing_held(cluster):

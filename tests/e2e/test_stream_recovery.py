@@ -34,7 +34,9 @@ def cluster():
         started += [prefill, *decodes]
         for p in started:
             p.wait_healthy()
-        proxy = Process(["proxy", "--prefill", prefill.url, "--decode", *(d.url for d in decodes)], "rec-proxy",
+        # round-robin, not the default cost: the test kills the D it knows two streams are on
+        proxy = Process(["proxy", "--policy", "round-robin", "--prefill", prefill.url,
+                         "--decode", *(d.url for d in decodes)], "rec-proxy",
                         env={"PDSERVE_ROUTER_KEY": ROUTER_KEY})
         started.append(proxy)
         proxy.wait_healthy(60)

@@ -242,6 +242,7 @@ class Harness:
 
     def proxy(self, prefill=(), decode=(), colocated=None, **kwargs) -> str:
         urls = [[b if isinstance(b, str) else b.url for b in pool] for pool in (prefill, decode, colocated or ())]
+        kwargs.setdefault("policy", "round-robin")   # the mechanics under test, in an order the test can know
         self.proxy_app = build_proxy_app(urls[0], urls[1], urls[2] or None, **kwargs)
         return self.run(self._start(self.proxy_app))
 
