@@ -12,6 +12,8 @@ default model, each instance on its own core. Per connector and prompt length: o
 and the handoff's own time per request from the instances' kv_transfer_seconds histograms (D times a pull's
 READ, P a push's WRITE; a store handoff is two transfers, P's WRITE into the pool and D's READ from it, and
 its time is their sum). Outputs are compared token by token between the connectors. Prints and saves JSON.
+--concurrency C keeps C requests in flight (a closed loop; under load): TTFT p50 and p90, requests per
+second, and the handoff's time per request then include the queueing that load brings.
 
 --tp-pairs P:D,... (issue 17; `nixl` only): the same for P and D of those tensor-parallel sizes, e.g.
 `--connectors nixl --tp-pairs 1:1,3:3,3:1,1:3 --device cpu` (the default model's 3 KV heads) or `1:1,2:2,2:1,1:2`
@@ -49,7 +51,8 @@ def transfer_seconds(prefill, decode) -> tuple[float, float, float, float]:
     return total, count, num_bytes, descriptors
 
 
-async def measure(proxy, prefill, decode, model: str, prompts: dict[int, list[list[int]]]) -> dict:
+async def measure(proxy, prefill, decode, model: str, prompts: dict[int, list[list[int]]],
+                  concurrency: int = 1) -> dict:
     import aiohttp
     out = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600)) as session:
@@ -57,18 +60,26 @@ async def measure(proxy, prefill, decode, model: str, prompts: dict[int, list[li
             await one_request(session, proxy.url, model, group[0], 4, 0)  # warm-up at this length
             ttfts, token_ids, errors = [], [], []
             before = transfer_seconds(prefill, decode)
-            for prompt in group[1:]:
-                r = await one_request(session, proxy.url, model, prompt, 4, 0)
+            began = time.monotonic()
+            slots = asyncio.Semaphore(concurrency)   # under load: this many requests in flight, closed loop
+
+            async def send(prompt):
+                async with slots:
+                    return await one_request(session, proxy.url, model, prompt, 4, 0)
+            for r in await asyncio.gather(*(send(prompt) for prompt in group[1:])):
                 if r["error"]:
                     errors.append(r["error"])
                 else:
                     ttfts.append(r["ttft"])
                 token_ids.append(r["token_ids"])
+            wall = time.monotonic() - began
             await asyncio.sleep(0.3)  # the instances' stats snapshots (every 100 ms)
             after = transfer_seconds(prefill, decode)
             handoffs = after[1] - before[1]
             seconds = after[0] - before[0]
             out[str(n)] = {"ttft_ms_p50": 1e3 * statistics.median(ttfts) if ttfts else None,
+                           "ttft_ms_p90": 1e3 * sorted(ttfts)[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+                           "requests_per_s": len(group[1:]) / wall, "concurrency": concurrency,
                            "bytes_per_handoff": (after[2] - before[2]) / handoffs if handoffs else None,
                            "descriptors_per_handoff": (after[3] - before[3]) / handoffs if handoffs else None,
                            "handoff_gb_per_s": (after[2] - before[2]) / seconds / 1e9 if seconds else None,
@@ -109,7 +120,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--model", default=None, help="default: llama-3.1-8b (cuda), default (cpu)")
     p.add_argument("--prompt-lens", default="128,512,2048,8192")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed requests per prompt length")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests in flight at once (1: one at a time; more: under load, a closed loop)")
     p.add_argument("--connectors", default="nixl,nixl-push", help="any of nixl, nixl-push, cuda_ipc, store")
     p.add_argument("--store-capacity", default="4GiB", help="the kv-store's pool (store)")
     p.add_argument("--gpus", default="0,1", help="P's and D's GPU (cuda)")
@@ -118,6 +131,8 @@ def main() -> None:
     p.add_argument("--log-dir", default="/tmp/pdserve-push-vs-pull")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.concurrency < 1 or args.repeats < 1:
+        p.error("--concurrency and --repeats must be >= 1")
     lens = [int(x) for x in args.prompt_lens.split(",")]
     model = args.model or ("llama-3.1-8b" if args.device == "cuda" else "default")
     rng = random.Random(args.seed)
@@ -164,7 +179,8 @@ def main() -> None:
             proxy = child(["proxy", "--prefill", prefill.url, "--decode", decode.url], None, log_dir, f"proxy-{name}")
             children.append(proxy)
             proxy.wait_healthy(60)
-            result["connectors"][name] = asyncio.run(measure(proxy, prefill, decode, model, prompts))
+            result["connectors"][name] = asyncio.run(measure(proxy, prefill, decode, model, prompts,
+                                                             args.concurrency))
         finally:
             for c in reversed(children):
                 c.stop()
@@ -174,8 +190,9 @@ def main() -> None:
         result["outputs_identical"] = {
             name: all(first[n]["token_ids"] == result["connectors"][name][n]["token_ids"] for n in first)
             for name in names[1:]}
-    summary = {name: {n: {k: v for k, v in row.items() if k in ("ttft_ms_p50", "handoff_ms_mean", "errors",
-                                                                 "descriptors_per_handoff", "handoff_gb_per_s")}
+    summary = {name: {n: {k: v for k, v in row.items() if k in ("ttft_ms_p50", "ttft_ms_p90", "handoff_ms_mean",
+                                                                 "errors", "descriptors_per_handoff",
+                                                                 "handoff_gb_per_s", "requests_per_s")}
                       for n, row in rows.items()} for name, rows in result["connectors"].items()}
     print(json.dumps({"summary": summary, "outputs_identical": result.get("outputs_identical")}, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

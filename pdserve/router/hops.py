@@ -7,8 +7,8 @@ import json
 import logging
 import time
 import uuid
-from contextvars import ContextVar
 from collections.abc import Awaitable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
@@ -63,18 +63,18 @@ async def read(role: str, url: str, resp: aiohttp.ClientResponse) -> bytes:
 
 
 async def post(proxy: Proxy, role: str, inst: Instance, path: str, body: dict,
-               headers: dict, whole: bool = False) -> aiohttp.ClientResponse:
+               headers: dict, unlimited_read: bool = False) -> aiohttp.ClientResponse:
     """POST body to the instance's path; return the 2xx response still unread, or raise BackendError. An
     instance that refuses the connection, or does not accept it within the connect timeout, never took the
-    request, and counts as a failed health check (the monitor may eject it). whole: no limit on reading (the
-    session's is --timeout between two bytes): the caller bounds the wait for the first byte with while_heard,
-    and a stream's reads itself."""
+    request, and counts as a failed health check (the monitor may eject it). unlimited_read: no limit on
+    reading (the session's is --timeout between two bytes): the caller bounds the wait for the first byte
+    with while_heard, and a stream's reads itself."""
     url = inst.url
     proxy.metrics.backend_request(role, inst.name)
     data = await encode_json(body)
     try:
         # (no timeout argument at all for a stream: aiohttp takes timeout=None for "no limit")
-        timeout = {"timeout": proxy.whole_timeout} if whole else {}
+        timeout = {"timeout": proxy.hop_timeout} if unlimited_read else {}
         resp = await proxy.session.post(url + path, data=data, headers={**headers, "Content-Type": JSON}, **timeout)
     except NETWORK_ERRORS as e:
         never_took = isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
@@ -147,8 +147,8 @@ async def prefill_hop(proxy: Proxy, inst: Instance, ticket: Ticket, path: str, b
     prefill_body.pop("stream_options", None)
     start = time.monotonic()
     try:
-        resp = await while_heard(proxy, "prefill", inst, post(proxy, "prefill", inst, path, prefill_body, headers,
-                                                              whole=True))
+        resp = await while_heard(proxy, "prefill", inst, post(proxy, "prefill", inst, path, prefill_body,
+                                                              headers, unlimited_read=True))
         data = await while_heard(proxy, "prefill", inst, read("prefill", inst.url, resp))
     except BackendError as e:
         if e.body is None:  # the backend's fault (not a 4xx, not a 503 at capacity)

@@ -251,7 +251,7 @@ class Instance:
 
     def why_silent(self, began: float, since_restarts: int, silence_s: float, now: float) -> str | None:
         """Why a hop begun at `began` (when the instance had `since_restarts` restarts) should stop waiting for
-        an answer that comes whole, or None while it may go on: the instance has not restarted, and it sent a
+        the instance's first byte, or None while it may go on: the instance has not restarted, and it sent a
         healthy load report (a pdserve instance's health says its engine is stepping) within silence_s of now
         or of `began`. An instance that sends no load reports (another server, probed on /health, which says
         nothing of its engine) or was removed from the cluster (no longer polled) gets silence_s from `began`

@@ -129,8 +129,9 @@ class Proxy:
         # total=None: a long stream is fine; a backend silent for `timeout` seconds is not.
         # sock_connect, not connect: the latter would also count waiting for a pool slot as the backend's.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=timeout)
-        # An answer that comes whole is silent until done: hops.while_heard bounds it by the polls instead.
-        self.whole_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=None)
+        # A hop's own: until its first byte the instance computes the prompt, bounded by its load reports
+        # (hops.while_heard); after it, a stream's reads by `timeout` each (recovery.stream).
+        self.hop_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=None)
         self.silence_s = timeout
         self.session: aiohttp.ClientSession | None = None
         self.metrics = ProxyMetrics(router)

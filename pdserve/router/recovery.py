@@ -58,7 +58,7 @@ async def final_hop(proxy: Proxy, request: web.Request, req: RouteRequest, inst:
                 # until its first byte the instance computes the prompt (a stream's headers come with the
                 # first token): bounded by its load reports; after it, by --timeout between two bytes
                 resp = await while_heard(proxy, role, inst, post(proxy, role, inst, request.path, hop_body,
-                                                                 headers, whole=True))
+                                                                 headers, unlimited_read=True))
             except BackendError as e:
                 if e.never_took_request and release is not None:
                     release()
