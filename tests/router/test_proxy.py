@@ -230,8 +230,9 @@ def test_an_answer_that_comes_whole_fails_when_the_instance_stops_answering_poll
 def test_an_answer_that_comes_whole_fails_when_the_instance_says_it_is_stuck(harness):
     """An unhealthy report (a pdserve instance whose engine is stuck in a step) is no sign of progress."""
     c = harness.backend("colocated", "slow_5s")
-    url = harness.proxy(colocated=[c], timeout=0.3, eject_after=1, max_recoveries=0)
     c.load = {"healthy": False, "health": "engine stalled: no word from the engine process for 60 s"}
+    # never ejected, so the request meets it whatever the order of its first poll and the request
+    url = harness.proxy(colocated=[c], timeout=0.3, eject_after=NEVER_EJECT, max_recoveries=0)
     began = time.monotonic()
     code, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
     assert code == 502 and error_of(raw)["message"] == "the colocated-0 instance timed out", raw
