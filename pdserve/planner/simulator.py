@@ -68,6 +68,11 @@ class EngineSpec:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.kv_capacity_tokens < 1:
             raise ValueError(f"engine: max_num_seqs, max_num_batched_tokens and kv_capacity_tokens must be >= 1, "
                              f"got {self.max_num_seqs}, {self.max_num_batched_tokens}, {self.kv_capacity_tokens}")
+        if self.max_num_seqs > MAX_NUM_SEQS:   # a table of one entry per batch size is built from it
+            raise ValueError(f"engine: max_num_seqs must be at most {MAX_NUM_SEQS:,}, got {self.max_num_seqs:,}")
+
+
+MAX_NUM_SEQS = 1_000_000   # far past any engine's running batch
 
 
 @dataclass(frozen=True)

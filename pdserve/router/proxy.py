@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import contextlib
 import copy
 import logging
@@ -98,6 +99,7 @@ MAX_PREFILL_ATTEMPTS = 2   # prefill hops one request may fail before it goes to
 # docs/benchmarks.md, "the router's policies", 2026-12-03 and 2026-12-07), as issue 14 asked of a default.
 DEFAULT_POLICY = "cost"
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
+MAX_CONNECT_TIMEOUT_S = 3600.0
 DEFAULT_MAX_QUEUED = 1024
 
 
@@ -693,10 +695,11 @@ def proxy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                           max_per_instance=args.max_per_instance, max_held_fraction=args.max_held_fraction,
                           cost_tolerance=args.cost_tolerance,
                           direct_prefill_headroom_s=args.direct_prefill_headroom)
-    for name in ("timeout", "connect_timeout"):
-        if not getattr(args, name) > 0:   # (also NaN)
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, "
-                             f"got {getattr(args, name)}")
+    for name, upper in (("timeout", math.inf), ("connect_timeout", MAX_CONNECT_TIMEOUT_S)):
+        if not 0 < getattr(args, name) <= upper:   # (also NaN; inf is no limit for --timeout, an aiohttp crash
+            # for --connect-timeout, whose deadline it rounds to an integer)
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds"
+                             + (f" up to {upper:g}" if upper < math.inf else "") + f", got {getattr(args, name)}")
     return dict(api_key=args.api_key, timeout=args.timeout, connect_timeout=args.connect_timeout,
                 router_key=args.router_key,
                 max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,

@@ -84,3 +84,10 @@ def test_no_cluster_within_the_limit_is_said_so_by_the_bisection(capsys):
                    "--slo-ttft-ms", "2000", "--slo-tpot-ms", "1", "--max-instances", "20"])
     out = capsys.readouterr().out
     assert rc == 1 and "no cluster of up to 20 instances meets the SLO" in out and "bisection" in out
+
+
+def test_a_batch_limit_past_any_engine_is_a_usage_error(capsys):
+    """--max-num-seqs 1000000000 built a table of a billion entries: a MemoryError traceback (hostile review)."""
+    rc = cli_main(["plan", "--rate", "8", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "20", "--max-instances", "4",
+                   "--num-requests", "10", "--max-num-seqs", "1000000000"])
+    assert rc == 2 and "max_num_seqs must be at most 1,000,000" in capsys.readouterr().err
