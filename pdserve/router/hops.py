@@ -109,8 +109,9 @@ async def while_heard(proxy: Proxy, role: str, inst: Instance, hop: Awaitable[T]
     hop) or a stream's headers, which a pdserve instance sends with its first token. The instance is silent
     until its prompt is computed, so the --timeout of silence applies to its healthy load reports instead
     (Instance.why_silent), and never to less than a poll round can take. BackendError (timed out) when it
-    stops sending them for that long, or restarts; the hop is cancelled then (its connection closed, so the
-    instance aborts the request). The hop runs in the caller's task (a watchdog on the loop cancels it), so
+    stops sending them for that long, restarts, or sends none of its answer within proxy.first_byte_cap_s
+    however healthy it says it is; the hop is cancelled then (its connection closed, so the instance aborts
+    the request). The hop runs in the caller's task (a watchdog on the loop cancels it), so
     it resumes as soon as it is done, and a cancellation of the caller is its own."""
     began, restarts = time.monotonic(), inst.num_restarts
     silence_s = max(proxy.silence_s, proxy.monitor.interval + proxy.monitor.timeout)
@@ -121,7 +122,10 @@ async def while_heard(proxy: Proxy, role: str, inst: Instance, hop: Awaitable[T]
         async with asyncio.timeout(None) as deadline:
             def look() -> None:
                 nonlocal why, watchdog
-                why = inst.why_silent(began, restarts, silence_s, time.monotonic())
+                now = time.monotonic()
+                why = inst.why_silent(began, restarts, silence_s, now)
+                if why is None and now - began > proxy.first_byte_cap_s:   # healthy, yet never answering
+                    why = f"no first byte within {proxy.first_byte_cap_s:g} s"
                 if why is None:
                     watchdog = loop.call_later(period, look)
                 else:

@@ -100,6 +100,7 @@ MAX_PREFILL_ATTEMPTS = 2   # prefill hops one request may fail before it goes to
 DEFAULT_POLICY = "cost"
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 MAX_CONNECT_TIMEOUT_S = 3600.0
+MAX_FIRST_BYTE_S = 3600.0
 DEFAULT_MAX_QUEUED = 1024
 
 
@@ -135,6 +136,9 @@ class Proxy:
         # (hops.while_heard); after it, a stream's reads by `timeout` each (recovery.stream).
         self.hop_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=None)
         self.silence_s = timeout
+        # A peer that reports itself healthy but never answers must not hold a request for ever: the bound
+        # is the instances' own default request deadline (`serve --request-timeout`).
+        self.first_byte_cap_s = MAX_FIRST_BYTE_S
         self.session: aiohttp.ClientSession | None = None
         self.metrics = ProxyMetrics(router)
         self.releases: set[asyncio.Task] = set()  # in the background: the client's answer does not wait

@@ -227,6 +227,17 @@ def test_an_answer_that_comes_whole_fails_when_the_instance_stops_answering_poll
     assert time.monotonic() - began < 4.0   # a poll round's bound (0.1 + 2 s) at least, not the 5 s answer
 
 
+def test_a_healthy_instance_that_never_answers_is_given_up_on_at_the_cap(harness):
+    """Healthy load reports keep a hop waiting, but not for ever (the cap is 3,600 s; 1 s here)."""
+    c = harness.backend("colocated", "slow_5s")
+    url = harness.proxy(colocated=[c], timeout=0.3, max_recoveries=0)
+    harness.proxy_app[PROXY_KEY].first_byte_cap_s = 1.0
+    began = time.monotonic()
+    code, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert code == 502 and error_of(raw)["message"] == "the colocated-0 instance timed out", raw
+    assert 1.0 <= time.monotonic() - began < 3.0
+
+
 def test_an_answer_that_comes_whole_fails_when_the_instance_says_it_is_stuck(harness):
     """An unhealthy report (a pdserve instance whose engine is stuck in a step) is no sign of progress."""
     c = harness.backend("colocated", "slow_5s")
