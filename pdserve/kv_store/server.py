@@ -47,7 +47,7 @@ from pdserve.kv_store.index import MAX_SLOTS, StoreIndex
 from pdserve.kv_store.options import DEFAULT_INSERT_TTL_S, DEFAULT_LEASE_S
 from pdserve.stop_signals import stop_signals
 from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.nixl import nixl_agent, nixl_agent_config
+from pdserve.kv_transfer.nixl import new_agent
 
 
 logger = logging.getLogger(__name__)
@@ -88,8 +88,6 @@ class KVStoreServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, capacity_bytes: int = 1 << 30,
                  lease_s: float = DEFAULT_LEASE_S, insert_ttl_s: float = DEFAULT_INSERT_TTL_S,
                  auth_key: str | None = None, enable_prog_thread: bool = False) -> None:
-        if nixl_agent is None:
-            raise ImportError("pdserve kv-store: neither nixl nor nixl_cu13 is installed")
         if capacity_bytes <= 0:
             raise ValueError(f"capacity: must be > 0 bytes, got {capacity_bytes}")
         if lease_s <= 2.0 or insert_ttl_s <= 2.0:
@@ -97,8 +95,7 @@ class KVStoreServer:
         self.capacity_bytes, self.lease_s, self.insert_ttl_s = capacity_bytes, lease_s, insert_ttl_s
         self.boot_id = uuid.uuid4().hex
         self.agent_name = f"kv-store-{self.boot_id[:8]}"
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=enable_prog_thread,
-                                                                   backends=["UCX"]))
+        self.agent = new_agent(self.agent_name, enable_prog_thread, "pdserve kv-store")
         self._lock = threading.Condition()
         self.index: StoreIndex | None = None        # made at the first handshake: slots need the block size
         self.block_bytes: int | None = None

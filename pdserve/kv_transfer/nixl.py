@@ -23,6 +23,7 @@ completes when P's agent is progressed.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,31 @@ except ImportError:
         nixl_agent = nixl_agent_config = None
 
 logger = logging.getLogger(__name__)
+
+# UCX settings pdserve's agents start with unless the environment sets them (UCX reads them once, when
+# the process's first agent starts). Measured with benchmarks/gpu_nixl_paths.py on one H100, two processes,
+# 256 MiB (docs/benchmarks.md, 2026-12-07):
+#   CUDA_IPC_ENABLE_GET_ZCOPY=y: a READ of another process's VRAM on the same GPU (pull with P and D
+#     sharing a GPU) goes by cuda_ipc instead of UCX's software emulation over TCP: 0.59 -> 243 GB/s.
+#   TCP_{TX,RX}_SEG_SIZE=1m: what has no zero-copy path between two processes (VRAM <-> another process's
+#     DRAM: the store's pool) is emulated over TCP loopback in segments of this size: 8 KiB moved 0.6-1.0
+#     GB/s, 1 MiB 2.5-4 GB/s. DRAM <-> DRAM goes by CMA either way (4-6 GB/s).
+UCX_DEFAULTS = {
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+    "UCX_TCP_TX_SEG_SIZE": "1m",
+    "UCX_TCP_RX_SEG_SIZE": "1m",
+}
+
+
+def new_agent(name: str, enable_prog_thread: bool, what: str) -> Any:
+    """A NIXL agent over UCX, with UCX_DEFAULTS where the environment is silent. enable_prog_thread: a
+    NIXL thread progresses UCX (a busy-polling core); off, progress happens inside our calls (once per
+    engine step). `what` names the caller in the error when NIXL is not installed."""
+    if nixl_agent is None:
+        raise ImportError(f"{what}: neither nixl nor nixl_cu13 is installed")
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=["UCX"]))
 
 
 
@@ -82,12 +108,7 @@ class NixlTransport:
     """The NIXL hooks, for either direction (a mixin before the direction's worker class)."""
 
     def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int]) -> None:
-        if nixl_agent is None:
-            raise ImportError(f"kv_connector {config.kv_connector}: neither nixl nor nixl_cu13 is installed")
-        # enable_prog_thread: a NIXL thread progresses UCX (a busy-polling core); off, progress
-        # happens inside our calls, i.e. once per engine step.
-        self.agent = nixl_agent(engine_id, nixl_agent_config(
-            enable_prog_thread=config.enable_prog_thread, backends=["UCX"]))
+        self.agent = new_agent(engine_id, config.enable_prog_thread, f"kv_connector {config.kv_connector}")
         self._reg_descs = None
         super().__init__(config, engine_id, compat)
 

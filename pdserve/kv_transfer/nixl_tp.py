@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from pdserve.config import KVTransferConfig
-from pdserve.kv_transfer.nixl import NixlConnectorWorker, nixl_agent, nixl_agent_config, post_transfer, transfer_state
+from pdserve.kv_transfer.nixl import NixlConnectorWorker, new_agent, post_transfer, transfer_state
 from pdserve.kv_transfer.pull_worker_common import Load, Peer, Region, RemoteEngine
 from pdserve.kv_transfer.transport_worker import coalesce, region_of
 from pdserve.parallel.group import RankCallError
@@ -109,9 +109,7 @@ class RankReader:
     @classmethod
     def create(cls, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int,
                num_kv_heads: int) -> RankReader:
-        if nixl_agent is None:
-            raise ImportError("kv_connector nixl: neither nixl nor nixl_cu13 is installed")
-        agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=["UCX"]))
+        agent = new_agent(agent_name, enable_prog_thread, "kv_connector nixl")
         return cls(agent, agent_name, rank, tp_size, num_kv_heads)
 
     def register(self, kv_cache: torch.Tensor) -> dict[str, Any]:

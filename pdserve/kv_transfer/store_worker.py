@@ -27,7 +27,7 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.base import KVConnectorWorker
-from pdserve.kv_transfer.nixl import nixl_agent, nixl_agent_config, post_transfer, transfer_state
+from pdserve.kv_transfer.nixl import new_agent, post_transfer, transfer_state
 from pdserve.kv_transfer.store import StoreConnectorMeta, StoreInsertSpec, StoreLoadSpec
 from pdserve.kv_transfer.store_client import StoreClient, read_margin
 from pdserve.kv_transfer.transport_worker import (Histogram, Region, coalesce, compat_hash, region_of,
@@ -61,13 +61,10 @@ class Insert:
 
 class StoreConnectorWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, Any], client: StoreClient) -> None:
-        if nixl_agent is None:
-            raise ImportError("kv_connector store: neither nixl nor nixl_cu13 is installed")
         self.config, self.engine_id, self.client = config, engine_id, client
         self.compat, self.compat_hash = dict(compat), compat_hash(compat)
         self.drop_after_read = bool(config.extra.get("store_drop_after_read", False))
-        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=config.enable_prog_thread,
-                                                             backends=["UCX"]))
+        self.agent = new_agent(engine_id, config.enable_prog_thread, "kv_connector store")
         self._kv_cache: torch.Tensor | None = None
         self._reg_descs = None
         self._region: Region | None = None

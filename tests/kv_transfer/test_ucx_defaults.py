@@ -1,0 +1,24 @@
+"""new_agent: pdserve's UCX settings apply where the environment is silent, and never over a user's."""
+import os
+
+import pytest
+
+from pdserve.kv_transfer import nixl
+
+
+@pytest.mark.skipif(nixl.nixl_agent is None, reason="nixl is not installed")
+def test_new_agent_fills_in_ucx_defaults_without_overriding_the_environment(monkeypatch):
+    for key in nixl.UCX_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "64kb")   # the user's choice stands
+    agent = nixl.new_agent("ucx-defaults-test", False, "test")
+    assert agent.get_agent_metadata()
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "64kb"
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    assert os.environ["UCX_TCP_RX_SEG_SIZE"] == "1m"
+
+
+def test_new_agent_names_the_caller_when_nixl_is_missing(monkeypatch):
+    monkeypatch.setattr(nixl, "nixl_agent", None)
+    with pytest.raises(ImportError, match="kv_connector store: neither nixl nor nixl_cu13"):
+        nixl.new_agent("x", False, "kv_connector store")
