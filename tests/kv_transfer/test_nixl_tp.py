@@ -63,3 +63,18 @@ def test_a_released_handle_is_not_released_twice():
     worker._release(handle)
     assert worker.local.released == [3] and [c for c in ranks.calls if c[0] == "kv_release"] == [
         ("kv_release", [(4,), (5,)])]
+
+
+def test_a_remote_of_a_tensor_parallel_size_this_one_cannot_pair_with_is_refused_at_the_handshake_naming_both():
+    worker = bare_worker(FakeRanks())   # three ranks here
+    worker.local = SimpleNamespace(num_kv_heads=12)
+    region = SimpleNamespace(block_bytes=1)
+    two_ranks = {"tp_ranks": [{"agent_name": "p-rank1"}]}
+    try:
+        worker._check_remote_region(region, two_ranks, "prefill-engine-7")
+    except RuntimeError as e:
+        assert "prefill-engine-7" in str(e) and "3 (here) and 2 (remote)" in str(e)
+    else:
+        raise AssertionError("a 3-rank D paired with a 2-rank P")
+    six_ranks = {"tp_ranks": [{}] * 5}   # 6 is a multiple of 3: each D rank reads two P ranks
+    worker._check_remote_region(region, six_ranks, "prefill-engine-8")
