@@ -36,6 +36,7 @@ CONFIGS = {   # name → UCX environment; every one also gets UCX_PROTO_INFO=y
 }
 # Not here: UCX_PROTO_ENABLE=n (NIXL's RMA ops are unsupported) and UCX_TLS without tcp (NIXL wants a peer failure
 # handler, which the shared-memory transports lack: its backend does not start).
+NOTIF = os.environ.get("BENCH_NOTIF", "x").encode()
 DEADLINE_S = 30.0   # one transfer; past it the case is recorded as stuck and the pair restarted
 
 
@@ -66,7 +67,7 @@ def _describe(bufs: dict) -> dict:
             for k, t in bufs.items()}
 
 
-def target_main(conn, device: str, size: int, log_path: str) -> None:
+def target_main(conn, device: str, size: int, log_path: str, poll_s: float) -> None:
     _redirect_stderr(log_path)
     import torch
     nixl_agent, nixl_agent_config = _nixl()
@@ -75,7 +76,7 @@ def target_main(conn, device: str, size: int, log_path: str) -> None:
     regs = [agent.register_memory(t) for t in bufs.values()]
     conn.send({"metadata": agent.get_agent_metadata(), "bufs": _describe(bufs)})
     while True:
-        if not conn.poll(0.0002):
+        if not conn.poll(poll_s):
             agent.get_new_notifs()   # progresses UCX: a protocol that needs the target's help gets it
             continue
         op, name, value = conn.recv()
@@ -102,7 +103,7 @@ def _descs(agent, base: int, size: int, desc_bytes: int, mem_type: str, dev: int
 
 def _transfer(agent, op: str, local, remote, remote_name: str) -> float:
     """Seconds from post to DONE; raises on ERR or past the deadline."""
-    handle = agent.initialize_xfer(op, local, remote, remote_name, b"x")
+    handle = agent.initialize_xfer(op, local, remote, remote_name, NOTIF)
     try:
         t0 = time.perf_counter()
         state = agent.transfer(handle)
@@ -177,7 +178,8 @@ def run_config(ctx, name: str, env: dict, args, log_dir: str) -> dict:
     out = {"env": env, "log": os.path.basename(log_path), "cases": []}
     t_conn, t_child = ctx.Pipe()
     i_conn, i_child = ctx.Pipe()
-    target = ctx.Process(target=target_main, args=(t_child, args.device, args.size, log_path), daemon=True)
+    target = ctx.Process(target=target_main, args=(t_child, args.device, args.size, log_path,
+                                                                  args.target_poll_ms / 1e3), daemon=True)
     initiator = None
     try:
         target.start()
@@ -234,6 +236,8 @@ def main() -> None:
     ap.add_argument("--desc-mib", type=int, default=2, help="the many-descriptor case's descriptor size")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
+    ap.add_argument("--target-poll-ms", type=float, default=0.2, help="the target progresses its agent this "
+                    "often (an engine does between its steps: a long step is a long gap)")
     ap.add_argument("--config-timeout", type=float, default=240.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -58,7 +58,7 @@ async def measure(proxy, prefill, decode, model: str, prompts: dict[int, list[li
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600)) as session:
         for n, group in prompts.items():
             await one_request(session, proxy.url, model, group[0], 4, 0)  # warm-up at this length
-            ttfts, token_ids, errors = [], [], []
+            ttfts, first_gaps, e2es, token_ids, errors = [], [], [], [], []
             before = transfer_seconds(prefill, decode)
             began = time.monotonic()
             slots = asyncio.Semaphore(concurrency)   # under load: this many requests in flight, closed loop
@@ -71,6 +71,9 @@ async def measure(proxy, prefill, decode, model: str, prompts: dict[int, list[li
                     errors.append(r["error"])
                 else:
                     ttfts.append(r["ttft"])
+                    e2es.append(r["e2e"])
+                    if r["itls"]:   # first token -> second: pull's READ (after P's answer) is in it
+                        first_gaps.append(r["itls"][0])
                 token_ids.append(r["token_ids"])
             wall = time.monotonic() - began
             await asyncio.sleep(0.3)  # the instances' stats snapshots (every 100 ms)
@@ -85,10 +88,14 @@ async def measure(proxy, prefill, decode, model: str, prompts: dict[int, list[li
                            "handoff_gb_per_s": (after[2] - before[2]) / seconds / 1e9 if seconds else None,
                            "ttft_ms_min": 1e3 * min(ttfts) if ttfts else None,
                            "ttft_ms": [round(1e3 * t, 2) for t in ttfts],
+                           "first_gap_ms_p50": 1e3 * statistics.median(first_gaps) if first_gaps else None,
+                           "first_gap_ms_max": 1e3 * max(first_gaps) if first_gaps else None,
+                           "e2e_ms_p50": 1e3 * statistics.median(e2es) if e2es else None,
                            # per request: a store handoff's two transfers add up
                            "handoff_ms_mean": 1e3 * (after[0] - before[0]) / len(group[1:]) if handoffs else None,
                            "num_handoffs": handoffs, "errors": errors[:3], "token_ids": token_ids}
-            print(f"  {n:>5} tokens: TTFT p50 {out[str(n)]['ttft_ms_p50']} ms, handoff "
+            print(f"  {n:>5} tokens: TTFT p50 {out[str(n)]['ttft_ms_p50']} ms, first gap p50 "
+                  f"{out[str(n)]['first_gap_ms_p50']} ms, handoff "
                   f"{out[str(n)]['handoff_ms_mean']} ms ({handoffs:g} counted, "
                   f"{out[str(n)]['descriptors_per_handoff']} descriptors each), {len(errors)} errors", flush=True)
     return out
@@ -190,8 +197,8 @@ def main() -> None:
         result["outputs_identical"] = {
             name: all(first[n]["token_ids"] == result["connectors"][name][n]["token_ids"] for n in first)
             for name in names[1:]}
-    summary = {name: {n: {k: v for k, v in row.items() if k in ("ttft_ms_p50", "ttft_ms_p90", "handoff_ms_mean",
-                                                                 "errors", "descriptors_per_handoff",
+    summary = {name: {n: {k: v for k, v in row.items() if k in ("ttft_ms_p50", "ttft_ms_p90", "first_gap_ms_p50",
+                                                                 "handoff_ms_mean", "errors", "descriptors_per_handoff",
                                                                  "handoff_gb_per_s", "requests_per_s")}
                       for n, row in rows.items()} for name, rows in result["connectors"].items()}
     print(json.dumps({"summary": summary, "outputs_identical": result.get("outputs_identical")}, indent=1))

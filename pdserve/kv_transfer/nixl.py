@@ -8,17 +8,20 @@ their transport hooks with NIXL calls:
 
   register: the KV cache is registered with the agent; the handshake carries the agent's metadata
   connect:  D adds P's agent (engine thread: the agent runs without locks)
-  post:     one READ per request, one descriptor per coalesced run, notif_msg = P's request id, so
-            P learns the READ is done from its own agent (get_new_notifs), not from the side channel;
+  post:     one READ per request, one descriptor per coalesced run, without a NIXL notification: D
+            tells P "done" over the side channel (notifies_done). A notification completes only once the
+            target's agent is progressed, which P's engine does between steps, and a CPU prefill step
+            lasts seconds: D's READ (and D's stream, after its first token) waited that long. Without it,
+            the READ is one-sided and completes in D's own calls;
             push: one WRITE per transfer, notif_msg = the transfer id, which D's agent receives once the
-            data is in its blocks
+            data is in its blocks (D's steps are short)
   check:    check_xfer_state, polled from get_finished; never blocks; the binding raising (a peer
             gone mid-READ) is that READ's "ERR", never an exception out of the engine loop
   release:  release_xfer_handle; for an active READ (past its deadline) NIXL tries to abort it and
             raises when it cannot: the lifecycle then keeps its blocks quarantined
 
-P MUST call get_finished regularly while it holds blocks: without the progress thread, a READ only
-completes when P's agent is progressed.
+P still calls get_finished while it holds blocks: a transfer UCX can only emulate (no zero-copy path
+between the two memories) needs both agents progressed.
 """
 from __future__ import annotations
 
@@ -65,6 +68,8 @@ def new_agent(name: str, enable_prog_thread: bool, what: str) -> Any:
     if nixl_agent is None:
         raise ImportError(f"{what}: neither nixl nor nixl_cu13 is installed")
     for key, value in UCX_DEFAULTS.items():
+        if key.startswith("UCX_CUDA") and not torch.cuda.is_available():
+            continue   # UCX warns of a variable no loaded transport reads (no CUDA driver here)
         os.environ.setdefault(key, value)
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=["UCX"]))
 
@@ -132,7 +137,7 @@ class NixlTransport:
             handle.release()
 
     def _take_notifs(self) -> list[str]:
-        # (an empty one is a READ whose reader tells P "done" over the side channel: nixl_tp.py)
+        # Also progresses the agent. Pull READs carry none (D says "done" over the side channel).
         return [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
 
     def _disconnect(self, remote: RemoteEngine) -> None:
@@ -145,8 +150,10 @@ class NixlTransport:
 
 
 class NixlConnectorWorker(NixlTransport, PullConnectorWorker):
+    notifies_done = True   # the side channel, not a NIXL notification: see the module docstring
+
     def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
-        return self._xfer("READ", remote, runs, load.spec.remote_request_id)  # notif: P's request id
+        return self._xfer("READ", remote, runs, "")
 
 
 class NixlPushConnectorWorker(NixlTransport, PushConnectorWorker):

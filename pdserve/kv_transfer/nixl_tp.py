@@ -18,10 +18,9 @@ transport hooks fan out, to RankReader (below) on every rank:
             T/k to D of T reads each P block k times, once per D rank that needs a part of it.
   check:    once per step one call gathers every rank's states; a load is DONE when every rank's READs
             (and copies) are, ERR when any is
-  done:     of the same size P learns it from NIXL: each READ notifies the P rank it read, and P counts
-            a request read once every rank was notified. Of different sizes the counts do not line up,
-            so D's READs carry no notification and D tells P "done" over the side channel instead
-            (notifies_done, as cuda_ipc does), once every rank's READ is done.
+  done:     D's READs carry no NIXL notification (one completes only as its target agent progresses,
+            between P's steps: nixl.py); D tells P "done" over the side channel (notifies_done), once
+            every rank's READ is done.
 
 A one-rank decode instance uses this worker too (ranks None), so that it can read a tensor-parallel P;
 from a one-rank P it reads exactly as NixlConnectorWorker does. Ranks 1..T-1 are reached through
@@ -34,7 +33,6 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,13 +40,12 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import NixlConnectorWorker, new_agent, post_transfer, transfer_state
-from pdserve.kv_transfer.pull_worker_common import Load, Peer, Region, RemoteEngine
+from pdserve.kv_transfer.pull_worker_common import Load, Region, RemoteEngine
 from pdserve.kv_transfer.transport_worker import coalesce, region_of
 from pdserve.parallel.group import RankCallError
 
 logger = logging.getLogger(__name__)
 
-NOTIF_TTL_S = 600.0   # P: a request notified by some ranks only (a D rank that died mid-READ) is forgotten
 
 
 class Ranks(Protocol):
@@ -142,8 +139,7 @@ class RankReader:
                 if not (keep_first and remote_rank == 0):   # rank 0's own agent: the worker half's to remove
                     self.agent.remove_remote_agent(name)
 
-    def post(self, key: str, local_block_ids: list[int], remote_block_ids: list[int], notif: str
-             ) -> tuple[int, str, int]:
+    def post(self, key: str, local_block_ids: list[int], remote_block_ids: list[int]) -> tuple[int, str, int]:
         """(read id, state, NIXL descriptors posted)."""
         remote_tp, agents = self.remotes[key]
         plan = read_plan(self.tp_size, self.rank, remote_tp, self.num_kv_heads)
@@ -152,8 +148,7 @@ class RankReader:
             if remote_tp == self.tp_size:
                 name, region = agents[plan[0].remote_rank]   # the same heads: straight into the cache
                 runs = coalesce(local_block_ids, remote_block_ids)
-                read.xfers.append(post_transfer(self.agent, "READ", self.region, region, name, runs,
-                                                notif.encode())[0])
+                read.xfers.append(post_transfer(self.agent, "READ", self.region, region, name, runs, b"")[0])
                 num_descriptors = len(runs)
             else:
                 num_descriptors = self._post_staged(read, agents, remote_tp, remote_block_ids)
@@ -196,11 +191,11 @@ class RankReader:
     def state_of(self, read_id: int) -> str:
         return self._state(self._reads[read_id])
 
-    def poll(self) -> tuple[dict[int, str], list[str]]:
-        """Every read's state (copied into the cache once done), and the notifications that arrived."""
+    def poll(self) -> dict[int, str]:
+        """Every read's state (copied into the cache once done); progresses the agent."""
         states = {i: self._state(r) for i, r in self._reads.items()}
-        notifs = [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
-        return states, notifs
+        self.agent.get_new_notifs()
+        return states
 
     def release(self, read_id: int) -> None:
         read = self._reads.get(read_id)
@@ -250,9 +245,6 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         self.ranks = ranks
         self.tp_size = ranks.size if ranks is not None else 1
         self._rank_states: list[dict[int, str]] = []
-        self._rank_notifs: list[list[str]] = []
-        self._notif_counts: dict[str, tuple[int, float]] = {}   # P: request id → (ranks notified, first seen)
-        self._staged_loads: set[str] = set()                    # D: loads whose P has another size
         super().__init__(config, engine_id, compat)
         self.local = RankReader(self.agent, engine_id, 0, self.tp_size, num_kv_heads)
         self._call("kv_init", [(f"{engine_id}-rank{r}", config.enable_prog_thread, r, self.tp_size, num_kv_heads)
@@ -307,13 +299,10 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
     def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
         _, key, remote_tp = remote.conn
         spec = load.spec
-        notif = spec.remote_request_id if remote_tp == self.tp_size else ""
-        if remote_tp != self.tp_size:
-            self._staged_loads.add(spec.request_id)
-        read_id, state0, num_descriptors = self.local.post(key, spec.local_block_ids, spec.remote_block_ids, notif)
+        read_id, state0, num_descriptors = self.local.post(key, spec.local_block_ids, spec.remote_block_ids)
         handle = _TPHandle([read_id], num_descriptors)
         try:
-            posted = self._call("kv_post", [(key, spec.local_block_ids, spec.remote_block_ids, notif)]
+            posted = self._call("kv_post", [(key, spec.local_block_ids, spec.remote_block_ids)]
                                 * (self.tp_size - 1))
         except RankCallError as error:
             # Some ranks posted: the load fails through the lifecycle's ERR path, which lets every posted
@@ -355,46 +344,13 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         # One round to the ranks a step, and only while something may be moving: D's READs, or P's blocks
-        # under a lease (a READ of them completes, and notifies, only as the ranks' agents progress).
+        # under a lease (a READ UCX can only emulate needs the ranks' agents progressed).
         if self.ranks is not None and self._region is not None and (
                 self.loader.num_pending() or self.holder.num_pending()):
-            polled = self._call("kv_poll")
-            self._rank_states = [states for states, _ in polled]
-            self._rank_notifs = [notifs for _, notifs in polled]
+            self._rank_states = self._call("kv_poll")
         else:
-            self._rank_states, self._rank_notifs = [], []
+            self._rank_states = []
         return super().get_finished()
-
-    def _count_read(self, load: Load, seconds: float) -> None:
-        super()._count_read(load, seconds)
-        # A P of another size cannot count NIXL notifications: tell it over the side channel.
-        if load.spec.request_id in self._staged_loads:
-            self._staged_loads.discard(load.spec.request_id)
-            peer = self.loader.peers.get((load.spec.remote_engine_id, load.spec.remote_boot_id))
-            if peer is not None:
-                self._send_done(peer, [load.spec.remote_request_id])
-
-    def _load_failed(self, load: Any, error: str, invalid_block_ids: list[int], for_client: bool = True) -> None:
-        self._staged_loads.discard(load.spec.request_id)
-        super()._load_failed(load, error, invalid_block_ids, for_client)
-
-    def _take_notifs(self) -> list[str]:
-        notified = [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
-        if self.ranks is None:
-            return notified
-        for notifs in self._rank_notifs:
-            notified += notifs
-        now, done = time.monotonic(), []
-        for request_id in notified:
-            count, first = self._notif_counts.get(request_id, (0, now))
-            if count + 1 == self.tp_size:
-                self._notif_counts.pop(request_id, None)
-                done.append(request_id)
-            else:
-                self._notif_counts[request_id] = (count + 1, first)
-        if self._notif_counts:
-            self._notif_counts = {r: c for r, c in self._notif_counts.items() if now - c[1] < NOTIF_TTL_S}
-        return done
 
     def _disconnect(self, remote: RemoteEngine) -> None:
         agent0, key, _ = remote.conn

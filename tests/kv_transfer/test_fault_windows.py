@@ -1,6 +1,6 @@
 """The fault matrix's windows of a few milliseconds, which processes and signals cannot hit on purpose
 (tests/e2e/test_fault_matrix.py has the rest): P killed while D reads, P killed after D read but
-before P saw the notification, a notification that never arrives. Real NIXL workers; P runs in a
+before P acted on D's "done", a "done" that never arrives. Real NIXL workers; P runs in a
 child process (so it can be SIGKILLed) that steps only when told, D in this process, stepped by the
 test. Each ends within two leases and in a leak check."""
 from __future__ import annotations
@@ -26,8 +26,9 @@ BOUND = 2 * LEASE
 
 # P in a child process: a NIXL producer holding p-req's blocks 1 and 2 (filled with 1.0 + block id); it
 # prints (after '@@ ') its side channel and boot, then steps (get_finished) once per "step" line and prints what it
-# reported; on "progress" it progresses its agent only (notifications received, never processed: as if
-# P died right after), and prints how many it holds. Without either its agent is never progressed.
+# reported; on "progress" it progresses its agent only (a first READ from a new peer waits for that: the
+# connection's setup); on "state" it prints p-req's grant state (D's "done" lands there from the side
+# channel's thread; only a step acts on it). Without either its agent is never progressed.
 CHILD_P = f"""
 import json, sys, torch
 from pdserve.config import KVTransferConfig
@@ -41,11 +42,13 @@ for b in range(cache.shape[0]):
 p.register_kv_caches(cache)
 p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [1, 2])]))
 print("@@", json.dumps({{"port": p.side_channel_port, "boot_id": p.boot_id}}), flush=True)
-unprocessed = []
 for line in sys.stdin:
-    if line.strip() == "progress":  # the agent progresses; what it received is never processed
-        unprocessed.append(p.agent.get_new_notifs())
-        print("@@", json.dumps(sum(len(m) for n in unprocessed for m in n.values())), flush=True)
+    if line.strip() == "progress":
+        p.agent.get_new_notifs()
+        print("@@ 0", flush=True)
+    elif line.strip() == "state":
+        grant = p.holder._grants.get("p-req")
+        print("@@", json.dumps(grant.state.value if grant else None), flush=True)
     else:
         sending, _ = p.get_finished()
         print("@@", json.dumps(sorted(sending)), flush=True)
@@ -76,11 +79,15 @@ class ChildP:
         self.proc.wait()
 
 
-def wait_notified(p: ChildP) -> int:
+def wait_state(p: ChildP, state: str) -> str:
     deadline = time.monotonic() + 2
-    while (count := p.step("progress")) == 0 and time.monotonic() < deadline:
+    while (now := p.step("state")) != state and time.monotonic() < deadline:
         time.sleep(0.005)
-    return count
+    return now
+
+# UCX over TCP alone: a READ it can only emulate, which moves only as P's agent progresses (between P's
+# steps); through shared memory or RDMA a READ is one-sided and done before P could die under it.
+EMULATED = {"UCX_TLS": "tcp,self"}
 
 
 def make_d(**config):
@@ -93,11 +100,13 @@ def make_d(**config):
     return d
 
 
-def test_p_killed_while_d_reads():
-    """Without NIXL's progress thread a READ needs P's agent to progress; P never steps, so D's READ
-    stays in flight until P dies (SIGKILL): D fails that load at once (the transfer's error), frees
-    its blocks, and keeps nothing."""
-    p = ChildP()
+def test_p_killed_while_d_reads(monkeypatch):
+    """An emulated READ needs P's agent to progress; P never steps, so D's READ stays in flight until P
+    dies (SIGKILL): D fails that load at once (the transfer's error), frees its blocks, and keeps
+    nothing."""
+    p = ChildP(env=EMULATED)
+    for key, value in EMULATED.items():
+        monkeypatch.setenv(key, value)
     d = make_d()
     try:
         d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [5, 6], [1, 2])]))
@@ -122,9 +131,9 @@ def test_p_killed_while_d_reads():
         d.shutdown()
 
 
-def test_p_killed_after_d_read_before_its_notification():
-    """P's agent progresses (the READ needs it) but P never processes the notification it receives
-    (P never steps), and dies (SIGKILL). D answers with the right KV and keeps nothing."""
+def test_p_killed_after_d_read_before_it_acted_on_the_done():
+    """D READs (P's agent progresses, for the connection's setup, but P never steps), tells P "done", and
+    P dies (SIGKILL) before a step acts on it. D answers with the right KV and keeps nothing."""
     p = ChildP()
     d = make_d()
     try:
@@ -134,7 +143,7 @@ def test_p_killed_after_d_read_before_its_notification():
         assert torch.equal(d._kv_cache[5], torch.full(KV_SHAPE[1:], 2.0))  # P's block 1
         assert torch.equal(d._kv_cache[6], torch.full(KV_SHAPE[1:], 3.0))
         assert d.get_stats()["kv_transfer_bytes_total"] == 2 * BLOCK_BYTES
-        assert wait_notified(p) == 1
+        assert wait_state(p, "read") == "read"
         p.kill()
         for _ in range(50):
             assert d.get_finished() == (set(), set())
@@ -145,9 +154,9 @@ def test_p_killed_after_d_read_before_its_notification():
         d.shutdown()
 
 
-def test_a_notification_that_never_arrives_costs_p_one_lease():
-    """D's READ is done but P never sees its notification (here: P's agent drops it): P frees the
-    blocks when the lease the claim extended runs out, counted as an expiry; D is idle at once."""
+def test_a_done_that_never_arrives_costs_p_one_lease():
+    """D's READ is done but P never hears D's "done" (here: D's message is lost): P frees the blocks
+    when the lease the claim extended runs out, counted as an expiry; D is idle at once."""
     from pdserve.config import KVTransferConfig
     from pdserve.kv_transfer.nixl import NixlConnectorWorker
     p = NixlConnectorWorker(KVTransferConfig(kv_connector="nixl", kv_role="producer", lease_seconds=LEASE,
@@ -155,7 +164,7 @@ def test_a_notification_that_never_arrives_costs_p_one_lease():
     p.register_kv_caches(torch.zeros(KV_SHAPE))
     d = make_d()
     try:
-        p._take_notifs = lambda: (p.agent.get_new_notifs(), [])[1]  # taken off the agent, then lost
+        d._send_done = lambda peer, request_ids: None   # lost on the way
         p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [1, 2])]))
         d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [5, 6], [1, 2])]))
         start = time.monotonic()

@@ -26,7 +26,7 @@ class FakeLocal:
     def __init__(self) -> None:
         self.released = []
 
-    def post(self, key, local_ids, remote_ids, notif):
+    def post(self, key, local_ids, remote_ids):
         return 3, "PROC", 1
 
     def release(self, read_id):
@@ -36,7 +36,7 @@ class FakeLocal:
 def bare_worker(ranks) -> TPNixlConnectorWorker:
     """The worker half's fan-out alone (no agent, no side channel)."""
     worker = TPNixlConnectorWorker.__new__(TPNixlConnectorWorker)
-    worker.ranks, worker.tp_size, worker.local, worker._staged_loads = ranks, ranks.size, FakeLocal(), set()
+    worker.ranks, worker.tp_size, worker.local = ranks, ranks.size, FakeLocal()
     return worker
 
 

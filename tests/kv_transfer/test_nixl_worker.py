@@ -11,11 +11,12 @@ import threading
 import time
 
 import pytest
+import torch
 
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.pull import PullConnectorMeta, RecvSpec, SendSpec
 
-from tests.kv_transfer.helpers import (BLOCK_BYTES, COMPAT, assert_idle, nixl_available, poll, recv_spec,
+from tests.kv_transfer.helpers import (BLOCK_BYTES, COMPAT, KV_SHAPE, assert_idle, nixl_available, poll, recv_spec,
                                        worker_factory)
 
 if not nixl_available():
@@ -92,14 +93,15 @@ def test_cancel_before_handshake_completes(make_worker):
         fake_p.server.close()
 
 
-def test_cancel_in_flight_reports_once_after_read(make_worker):
+def test_cancel_in_flight_reports_once_after_read(make_worker, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp,self")   # an emulated READ: in flight until P's agent progresses
     p = make_worker("producer")
     d = make_worker("consumer")
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-warm", [0]), SendSpec("p-req", [3, 4])]))
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("warm", p, [0], [0], "p-warm")]))
     poll([p, d], lambda s, r: "warm" in r)  # handshake done: the next load claims at once
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1, 2], [3, 4])]))
-    poll([p, d], lambda s, r: d.loader.loads["d-req"].state.value != "claiming" or "d-req" in r)  # posted
+    poll([d], lambda s, r: d.loader.loads["d-req"].state.value == "reading")  # posted; P not stepped
     d.start_load_kv(PullConnectorMeta(reqs_to_cancel={"d-req"}))
     _, recving = poll([p, d], lambda s, r: "d-req" in r)
     _, later = poll([p, d], lambda s, r: True)
@@ -139,3 +141,23 @@ def test_unreachable_remote_fails_request(make_worker):
     assert error.startswith("handshake with remote engine gone-p failed") and str(port) not in error
     assert d.get_load_error("d-req") is None  # returned and forgotten
     assert_idle(d)
+
+
+def test_a_read_completes_while_p_is_inside_a_long_step(make_worker):
+    """P's engine progresses its agent only between steps, and a CPU prefill step lasts seconds: D's READ
+    must not wait for it (a READ that notified P through NIXL did, and D's stream stalled a whole P step
+    after its first token). P learns the READ is done over the side channel, at its next step."""
+    p_cache = torch.arange(torch.zeros(KV_SHAPE).numel(), dtype=torch.float32).reshape(KV_SHAPE)
+    p, d = make_worker("producer", kv_cache=p_cache.clone()), make_worker("consumer")
+    for n, blocks in enumerate(([1, 2], [3, 4, 5])):
+        p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec(f"p{n}", blocks)]))
+        d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec(f"d{n}", p, [7, 8, 9][:len(blocks)], blocks,
+                                                                   p_request_id=f"p{n}")]))
+        # the first handoff also connects the two agents, with both stepping; the second steps only D
+        workers = [p, d] if n == 0 else [d]
+        poll(workers, lambda s, r: f"d{n}" in r, timeout=3.0)
+        assert torch.equal(d._kv_cache[[7, 8, 9][:len(blocks)]], p_cache[blocks])
+        if n == 0:
+            poll([p], lambda s, r: "p0" in s)
+    sending, _ = poll([p], lambda s, r: "p1" in s)   # P's next step frees the blocks D read
+    assert p.get_stats()["num_blocks_held_for_transfer"] == 0
