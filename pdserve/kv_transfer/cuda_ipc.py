@@ -263,7 +263,7 @@ class CudaIpcConnectorWorker(PullConnectorWorker):
             except ValueError as e:
                 logger.warning("cuda_ipc: bad done notice dropped: %s", e)
 
-    def _send_done(self, peer: Peer, request_ids: list[str]) -> None:
+    def _send_done(self, peer: Peer, request_ids: list[str], claimants: list[str]) -> None:
         name = peer.remote.reply.get("notify_name") if peer.remote is not None else None
         if name is not None:
             try:
@@ -272,7 +272,7 @@ class CudaIpcConnectorWorker(PullConnectorWorker):
                 return
             except OSError as e:  # P gone, another namespace, or its queue full (EAGAIN)
                 logger.debug("cuda_ipc: done datagram to %s failed (%s); using the side channel", peer.engine_id, e)
-        super()._send_done(peer, request_ids)
+        super()._send_done(peer, request_ids, claimants)
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -82,6 +82,10 @@ class GrantState(Enum):
 _LIVE = (GrantState.HELD, GrantState.CLAIMED)
 
 
+def _is_claimant(claimant: tuple[str, str] | None, sender: tuple[str, str | None]) -> bool:
+    return claimant is None or (claimant[0] == sender[0] and sender[1] in (None, claimant[1]))
+
+
 @dataclass
 class Grant:
     request_id: str
@@ -109,13 +113,22 @@ class LeaseHolder:
             self._grants[request_id] = Grant(request_id, list(block_ids), self.clock() + self.lease_s,
                                              early[0] if early is not None else GrantState.HELD)
 
-    def end(self, request_ids: list[str], state: GrantState) -> None:
-        """A done (READ) or a release (RELEASED): free at the next step."""
+    def end(self, request_ids: list[str], state: GrantState,
+            senders: list[tuple[str, str | None]] | None = None) -> None:
+        """A done (READ) or a release (RELEASED): free at the next step. senders: who says so, per id
+        ((D's engine id, D's request id or None)); None from this engine's own transport. A claimed grant
+        ends only by its claimant's word: another D's (a replay whose claim was refused, then released)
+        would free blocks the claimant may be reading."""
         now = self.clock()
         with self._lock:
-            for request_id in request_ids:
+            for i, request_id in enumerate(request_ids):
                 grant = self._grants.get(request_id)
                 if grant is not None and grant.state in _LIVE:
+                    if senders is not None and grant.state == GrantState.CLAIMED and not _is_claimant(
+                            grant.claimant, senders[i]):
+                        logger.warning("%s of %s from %s ignored: claimed by %s", state.value, request_id,
+                                       senders[i], grant.claimant)
+                        continue
                     grant.state = state
                 elif grant is None and request_id not in self._ended:  # its SendSpec may still be on the way
                     self._early[request_id] = (state, now)
@@ -198,7 +211,14 @@ class LeaseHolder:
 
     def on_end(self, message: dict[str, Any], state: GrantState) -> dict[str, Any]:
         if message.get("boot_id") in (None, self.boot_id):  # another boot's: nothing of ours
-            self.end([r for r in message.get("remote_request_ids") or [] if isinstance(r, str)], state)
+            ids = message.get("remote_request_ids") or []
+            claimants = message.get("claimants")
+            if not (isinstance(claimants, list) and len(claimants) == len(ids)):
+                claimants = [None] * len(ids)   # (a sender that names no claimant: judged by its engine)
+            engine = str(message.get("engine_id"))
+            pairs = [(r, (engine, c if isinstance(c, str) else None)) for r, c in zip(ids, claimants)
+                     if isinstance(r, str)]
+            self.end([r for r, _ in pairs], state, [s for _, s in pairs])
         return {"ok": True}
 
     def num_pending(self) -> int:
@@ -325,9 +345,9 @@ class Loader:
             if now >= self._next_heartbeat:
                 self._heartbeat(now)
         if self._done_to_send:  # one notice per P per step
-            for key, request_ids in self._done_to_send.items():
+            for key, pairs in self._done_to_send.items():
                 if (peer := self.peers.get(key)) is not None:
-                    self.t._send_done(peer, request_ids)
+                    self.t._send_done(peer, [r for r, _ in pairs], [c for _, c in pairs])
             self._done_to_send = {}
         self._sweep()  # (once a second)
         finished, self._finished = self._finished, set()
@@ -391,7 +411,7 @@ class Loader:
             self.t._count_read(load, self.clock() - load.posted_at)
             if self.t.notifies_done:
                 self._done_to_send.setdefault((spec.remote_engine_id, spec.remote_boot_id), []).append(
-                    spec.remote_request_id)
+                    (spec.remote_request_id, spec.request_id))
         elif (peer := self.peers.get((spec.remote_engine_id, spec.remote_boot_id))) is not None:
             peer.is_failed = True  # dropped once no READ uses it; the next load handshakes again
         lost = state == "DONE" and self.clock() > load.lease_until  # P may have freed them under the READ
@@ -575,14 +595,18 @@ class Loader:
                 load.is_lost, load.lease_until, load.deadline = True, 0.0, 0.0
 
     def _send_release(self, spec: RecvSpec | KeepAliveSpec) -> None:
-        self._notify("release", (spec.remote_host, spec.remote_port), spec.remote_boot_id, [spec.remote_request_id])
+        self._notify("release", (spec.remote_host, spec.remote_port), spec.remote_boot_id, [spec.remote_request_id],
+                     [spec.request_id])
 
-    def send_done(self, peer: Peer, request_ids: list[str]) -> None:
-        self._notify("done", peer.address, peer.boot_id, request_ids)
+    def send_done(self, peer: Peer, request_ids: list[str], claimants: list[str]) -> None:
+        self._notify("done", peer.address, peer.boot_id, request_ids, claimants)
 
-    def _notify(self, kind: str, address: tuple[str, int], boot_id: str | None, request_ids: list[str]) -> None:
+    def _notify(self, kind: str, address: tuple[str, int], boot_id: str | None, request_ids: list[str],
+                claimants: list[str]) -> None:
+        """claimants: D's request ids, one per P request id (the claim named them: P trusts only them)."""
         self.clients.get(address).send({"type": kind, "engine_id": self.t.engine_id, "boot_id": boot_id,
-                                    "remote_request_ids": request_ids}, on_reply=lambda *_: None)
+                                        "remote_request_ids": request_ids, "claimants": claimants},
+                                       on_reply=lambda *_: None)
 
     def _apply_event(self, event: tuple) -> None:
         client, message, handler, on_error, args = event

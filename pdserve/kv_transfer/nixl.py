@@ -74,7 +74,6 @@ def new_agent(name: str, enable_prog_thread: bool, what: str) -> Any:
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=["UCX"]))
 
 
-
 def _run_descs(region: Region, first_block_ids: list[int], num_blocks: list[int]) -> np.ndarray:
     """[num_runs, 3] descriptor rows (address, length, device id) for runs of blocks in region."""
     rows = np.empty((len(first_block_ids), 3), dtype=np.uint64)

@@ -10,7 +10,8 @@ Hooks a transport fills (engine thread), beside transport_worker's (_register, _
   _check(handle) → "PROC" | "DONE" | "ERR" (raising counts as "ERR");  _release(handle): let it go,
                            aborting it if active; raise when it cannot (the load stays quarantined)
   _take_notifs() → P's request ids whose READ the transport itself reported done (P side)
-  _send_done(peer, request_ids)   D side, with notifies_done (default: "done" over the side channel)
+  _send_done(peer, request_ids, claimants)   D side, with notifies_done (default: "done" over the side
+                           channel; claimants: D's request ids, which P checks against the claim)
   _disconnect(remote), _deregister()
   notifies_done: False when the transport tells P itself (NIXL notif); True: D sends "done"
 
@@ -71,9 +72,9 @@ class PullConnectorWorker(TransportWorker):
     def _take_notifs(self) -> list[str]:
         return []
 
-    def _send_done(self, peer: Peer, request_ids: list[str]) -> None:
+    def _send_done(self, peer: Peer, request_ids: list[str], claimants: list[str]) -> None:
         """Tell P these READs are done (transports with notifies_done); over the side channel here."""
-        self.loader.send_done(peer, request_ids)
+        self.loader.send_done(peer, request_ids, claimants)
 
     # ---- each step ----------------------------------------------------------------------------
 

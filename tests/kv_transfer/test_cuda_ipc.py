@@ -66,8 +66,7 @@ def test_done_travels_as_a_datagram_not_through_side_channel_threads(make_worker
     d = make_worker("consumer")
     side_channel_messages = []
     send_done = d.loader.send_done
-    d.loader.send_done = lambda peer, request_ids: (side_channel_messages.append("done"),
-                                                    send_done(peer, request_ids))
+    d.loader.send_done = lambda *args: (side_channel_messages.append("done"), send_done(*args))
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [4, 5])]))
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("d-req", p, [1, 2], [4, 5])]))
     poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)

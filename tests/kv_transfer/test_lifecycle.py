@@ -116,6 +116,34 @@ def test_done_or_release_before_the_grant_arrives(holder):
     holder_idle(holder)
 
 
+def end_from(holder, request_id, state, engine_id, claimant=None):
+    message = {"engine_id": engine_id, "boot_id": "boot-1", "remote_request_ids": [request_id]}
+    if claimant is not None:
+        message["claimants"] = [claimant]
+    assert holder.on_end(message, state) == {"ok": True}
+
+
+def test_a_claimed_grant_ends_only_by_its_claimants_word(holder):
+    """Before, any D's release ended a claimed grant: a replay of the same params to a second D, whose
+    claim was refused, released the blocks while the first D was still reading them."""
+    holder.hold("r", [1, 2])
+    assert claim(holder, "r", [1, 2], claimant="d-1", engine_id="D") == "held"
+    end_from(holder, "r", GrantState.RELEASED, "D2", "d-9")       # another D
+    end_from(holder, "r", GrantState.RELEASED, "D", "d-2")        # the same D, another of its requests
+    end_from(holder, "r", GrantState.READ, "D2")                  # another D, naming no claimant
+    assert holder.step([]) == set() and holder._grants["r"].state == GrantState.CLAIMED
+    end_from(holder, "r", GrantState.READ, "D", "d-1")            # the claimant
+    assert holder.step([]) == {"r"} and holder.num_expirations == 0
+    holder.hold("s", [3])                                         # unclaimed: anyone's release frees it
+    end_from(holder, "s", GrantState.RELEASED, "D2", "d-7")
+    assert holder.step([]) == {"s"}
+    holder.hold("t", [4])
+    assert claim(holder, "t", [4], claimant="d-3", engine_id="D") == "held"
+    end_from(holder, "t", GrantState.READ, "D")                   # the claimant's engine, no claimant named
+    assert holder.step([]) == {"t"}
+    holder_idle(holder)
+
+
 def test_notices_for_unknown_ids_are_bounded_and_forgotten(holder):
     holder.on_end({"remote_request_ids": [f"x{i}" for i in range(3 * lifecycle.MAX_EARLY)]}, GrantState.RELEASED)
     assert len(holder._early) == lifecycle.MAX_EARLY
@@ -201,7 +229,8 @@ class FakeTransport:
         if not self.can_release:
             raise RuntimeError("cannot abort an active transfer")
 
-    def _send_done(self, peer, request_ids):
+    def _send_done(self, peer, request_ids, claimants):
+        assert len(claimants) == len(request_ids)
         self.done.extend(request_ids)
 
     def _load_failed(self, load, error, invalid_block_ids):
