@@ -123,14 +123,18 @@ class LeaseHolder:
         with self._lock:
             for i, request_id in enumerate(request_ids):
                 grant = self._grants.get(request_id)
+                peer_read = senders is not None and state == GrantState.READ   # a peer's "done"
                 if grant is not None and grant.state in _LIVE:
-                    if senders is not None and grant.state == GrantState.CLAIMED and not _is_claimant(
-                            grant.claimant, senders[i]):
+                    # A claimed grant ends by its claimant's word only; a "done" of one never claimed is
+                    # nobody's (a READ follows a claim), as is one before the grant (below).
+                    if senders is not None and (not _is_claimant(grant.claimant, senders[i]) if grant.state ==
+                                                GrantState.CLAIMED else peer_read):
                         logger.warning("%s of %s from %s ignored: claimed by %s", state.value, request_id,
                                        senders[i], grant.claimant)
                         continue
                     grant.state = state
-                elif grant is None and request_id not in self._ended:  # its SendSpec may still be on the way
+                elif grant is None and request_id not in self._ended and not peer_read:
+                    # its SendSpec may still be on the way
                     self._early[request_id] = (state, now)
                     self._early.move_to_end(request_id)
                     self._forget_old(self._early, now, MAX_EARLY)

@@ -46,14 +46,17 @@ except ImportError:
 
 logger = logging.getLogger(__name__)
 
-# UCX settings pdserve's agents start with unless the environment sets them (UCX reads them once, when
-# the process's first agent starts). Measured with benchmarks/gpu_nixl_paths.py on one H100, two processes,
+# UCX settings pdserve's agents start with unless the environment sets them (UCX reads them as each
+# agent starts). Measured with benchmarks/gpu_nixl_paths.py on one H100, two processes,
 # 256 MiB (docs/benchmarks.md, 2026-12-07):
 #   CUDA_IPC_ENABLE_GET_ZCOPY=y: a READ of another process's VRAM on the same GPU (pull with P and D
 #     sharing a GPU) goes by cuda_ipc instead of UCX's software emulation over TCP: 0.59 -> 243 GB/s.
 #   TCP_{TX,RX}_SEG_SIZE=1m: what has no zero-copy path between two processes (VRAM <-> another process's
 #     DRAM: the store's pool) is emulated over TCP loopback in segments of this size: 8 KiB moved 0.6-1.0
-#     GB/s, 1 MiB 2.5-4 GB/s. DRAM <-> DRAM goes by CMA either way (4-6 GB/s).
+#     GB/s, 1 MiB 2.5-4 GB/s. DRAM <-> DRAM goes by CMA either way (4-6 GB/s). UCX refuses a TCP segment
+#     larger than the receiver's (the transfer fails): both sizes are set together, only where neither
+#     is, and the pull and push handshakes compare them (ucx_tcp_segments in the compatibility dict), so
+#     a peer with other sizes is refused naming both instead of failing its transfers.
 UCX_DEFAULTS = {
     "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
     "UCX_TCP_TX_SEG_SIZE": "1m",
@@ -67,11 +70,17 @@ def new_agent(name: str, enable_prog_thread: bool, what: str) -> Any:
     engine step). `what` names the caller in the error when NIXL is not installed."""
     if nixl_agent is None:
         raise ImportError(f"{what}: neither nixl nor nixl_cu13 is installed")
-    for key, value in UCX_DEFAULTS.items():
-        if key.startswith("UCX_CUDA") and not torch.cuda.is_available():
-            continue   # UCX warns of a variable no loaded transport reads (no CUDA driver here)
-        os.environ.setdefault(key, value)
+    if torch.cuda.is_available():   # (without CUDA, UCX warns of a variable no loaded transport reads)
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", UCX_DEFAULTS["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"])
+    if "UCX_TCP_TX_SEG_SIZE" not in os.environ and "UCX_TCP_RX_SEG_SIZE" not in os.environ:
+        for key in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
+            os.environ[key] = UCX_DEFAULTS[key]
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=["UCX"]))
+
+
+def ucx_tcp_segments() -> str:
+    """The TCP segment sizes this process's agents use, for the handshake's compatibility check."""
+    return "/".join(os.environ.get(key, "ucx-default") for key in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"))
 
 
 def _run_descs(region: Region, first_block_ids: list[int], num_blocks: list[int]) -> np.ndarray:
@@ -114,7 +123,7 @@ class NixlTransport:
     def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int]) -> None:
         self.agent = new_agent(engine_id, config.enable_prog_thread, f"kv_connector {config.kv_connector}")
         self._reg_descs = None
-        super().__init__(config, engine_id, compat)
+        super().__init__(config, engine_id, {**compat, "ucx_tcp_segments": ucx_tcp_segments()})
 
     def _register(self, kv_cache: torch.Tensor) -> tuple[dict[str, Any], bytes]:
         self._reg_descs = self.agent.register_memory(kv_cache)  # DRAM or VRAM from the tensor's device
@@ -153,6 +162,12 @@ class NixlConnectorWorker(NixlTransport, PullConnectorWorker):
 
     def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
         return self._xfer("READ", remote, runs, "")
+
+    def _take_notifs(self) -> list[str]:
+        # Progress, and drop what arrives: only the claimant's "done" ends a grant. A NIXL notification
+        # names no claimant, and one from a single rank of a tensor-parallel D is not the whole READ.
+        self.agent.get_new_notifs()
+        return []
 
 
 class NixlPushConnectorWorker(NixlTransport, PushConnectorWorker):

@@ -134,9 +134,16 @@ def test_a_claimed_grant_ends_only_by_its_claimants_word(holder):
     assert holder.step([]) == set() and holder._grants["r"].state == GrantState.CLAIMED
     end_from(holder, "r", GrantState.READ, "D", "d-1")            # the claimant
     assert holder.step([]) == {"r"} and holder.num_expirations == 0
-    holder.hold("s", [3])                                         # unclaimed: anyone's release frees it
-    end_from(holder, "s", GrantState.RELEASED, "D2", "d-7")
+    holder.hold("s", [3])                                         # unclaimed: a "done" is nobody's ...
+    end_from(holder, "s", GrantState.READ, "D2", "d-7")
+    assert holder.step([]) == set()
+    end_from(holder, "s", GrantState.RELEASED, "D2", "d-7")      # ... anyone's release frees it
     assert holder.step([]) == {"s"}
+    end_from(holder, "u", GrantState.READ, "D", "d-8")            # a "done" before the grant: dropped
+    holder.hold("u", [5])
+    assert holder.step([]) == set() and holder._grants["u"].state == GrantState.HELD
+    holder.end(["u"], GrantState.RELEASED)
+    assert holder.step([]) == {"u"}
     holder.hold("t", [4])
     assert claim(holder, "t", [4], claimant="d-3", engine_id="D") == "held"
     end_from(holder, "t", GrantState.READ, "D")                   # the claimant's engine, no claimant named

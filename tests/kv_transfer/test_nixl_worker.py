@@ -161,3 +161,26 @@ def test_a_read_completes_while_p_is_inside_a_long_step(make_worker):
             poll([p], lambda s, r: "p0" in s)
     sending, _ = poll([p], lambda s, r: "p1" in s)   # P's next step frees the blocks D read
     assert p.get_stats()["num_blocks_held_for_transfer"] == 0
+
+
+def test_a_nixl_notification_naming_a_grant_frees_nothing(make_worker):
+    """Before, any agent's notification naming P's request id freed its grant, claimed or not (an older D's
+    READ notification, from one rank of a tensor-parallel D whose other ranks were still reading): only
+    the claimant's "done" over the side channel ends a grant now."""
+    from pdserve.kv_transfer.nixl import new_agent
+    p = make_worker("producer")
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [3, 4])]))
+    other = new_agent("old-d-rank0", False, "test")
+    name = other.add_remote_agent(p.agent.get_agent_metadata())
+    deadline, freed = time.monotonic() + 1.0, set()
+    while time.monotonic() < deadline:
+        try:
+            other.send_notif(name, b"p-req")
+        except Exception:   # (until the connection is up)
+            pass
+        other.get_new_notifs()
+        freed |= p.get_finished()[0]
+        time.sleep(0.01)
+    assert "p-req" not in freed and p.get_stats()["num_blocks_held_for_transfer"] == 2
+    p.release_held(["p-req"])
+    poll([p], lambda s, r: "p-req" in s)
