@@ -407,10 +407,23 @@ class Loader:
         return True
 
     def _complete(self, load: Load, state: str) -> None:
-        self._release_handle(load, log=True)
+        spec = load.spec
+        if not self._release_handle(load, log=True) and state != "DONE":
+            # Failed, but a part of it may still write into the blocks (one tensor-parallel rank's READ
+            # erred, another's is active and cannot be aborted): fail it as _abort does, and give its
+            # blocks back only once nothing writes them.
+            if load.state != LoadState.QUARANTINED:
+                logger.warning("READ of %s from %s failed with a part still active; its blocks are held until "
+                               "it ends", spec.request_id, spec.remote_engine_id)
+                self.num_failures += 1
+                self.num_quarantined += 1
+                self._send_release(spec)
+                if (peer := self.peers.get((spec.remote_engine_id, spec.remote_boot_id))) is not None:
+                    peer.is_failed = True
+                load.error, load.state = "transfer error", LoadState.QUARANTINED
+            return
         if load.state == LoadState.QUARANTINED:  # it stopped writing: the blocks may go back now
             return self._report_quarantined(load)
-        spec = load.spec
         if state == "DONE":
             self.t._count_read(load, self.clock() - load.posted_at)
             if self.t.notifies_done:

@@ -452,9 +452,31 @@ def test_read_that_cannot_be_aborted_is_quarantined_until_the_transport_lets_go(
     for _ in range(20):  # failed (P released, counted) but its blocks stay with the request
         assert d.step() == set()
     assert state(d, "d-req") == LoadState.QUARANTINED and d.num_quarantined == 1 and d.num_failures == 1
-    d.t_.state = "ERR"  # the transport gives up on it: now nothing can write the blocks
+    d.t_.state = "ERR"  # the transport gives up on it, but until it lets the handle go ...
+    for _ in range(5):
+        assert d.step() == set()
+    d.t_.can_release = True  # ... something may still write: now nothing can
     assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
     assert d.t_.take_error_blocks() == {1, 2} and "did not finish" in d.t_.take_load_error("d-req")
+    loader_idle(d)
+
+
+def test_a_read_that_errs_with_a_part_still_active_keeps_its_blocks_until_that_ends(d):
+    """A tensor-parallel READ is ERR as soon as one rank's errs, while another rank's may still be
+    writing. Before, its blocks went back to D's pool at once (and to another request, under the write)."""
+    p = d.fake_p()
+    p.holder.hold("p-req", [7, 8])
+    d.apply(PullConnectorMeta(reqs_to_recv=[p.spec("d-req", [1, 2], [7, 8])]))
+    step_until(d, lambda f: d.t_.posted)
+    d.t_.state, d.t_.can_release = "ERR", False
+    for _ in range(20):  # failed (P released, counted) but its blocks stay with the request
+        assert d.step() == set()
+    assert state(d, "d-req") == LoadState.QUARANTINED and d.num_quarantined == 1 and d.num_failures == 1
+    assert not d.t_.take_error_blocks()
+    d.t_.can_release = True   # the last part ended
+    assert step_until(d, lambda f: "d-req" in f) == {"d-req"}
+    assert d.t_.take_error_blocks() == {1, 2} and "transfer error" in d.t_.take_load_error("d-req")
+    assert d.num_failures == 1
     loader_idle(d)
 
 
