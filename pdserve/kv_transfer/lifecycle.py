@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 MAX_SIDE_CHANNEL_S = 5.0    # one side-channel exchange, at most (and at most half a lease)
 CLAIM_RETRY_S = 0.005       # "unknown" (P's SendSpec may still be on the way): ask again after this
 PEER_IDLE_S = 60.0          # a connection to P unused this long is dropped
+DONE_ATTEMPTS = 2           # D: a "done" lost on the way is sent once more
 MAX_ENDED = 1 << 16         # P: ended grants remembered for claims and heartbeats (one lease period)
 MAX_EARLY = 1 << 12         # P: done/release notices for ids not held (yet), from the network
 
@@ -615,15 +616,20 @@ class Loader:
         self._notify("release", (spec.remote_host, spec.remote_port), spec.remote_boot_id, [spec.remote_request_id],
                      [spec.request_id])
 
-    def send_done(self, peer: Peer, request_ids: list[str], claimants: list[str]) -> None:
-        self._notify("done", peer.address, peer.boot_id, request_ids, claimants)
+    def send_done(self, peer: Peer, request_ids: list[str], claimants: list[str], attempt: int = 1) -> None:
+        """Sent again once when it fails on the way (P would otherwise hold the blocks a whole lease),
+        not when nothing listens there (P is gone, and its blocks with it)."""
+        def on_error(cause: str) -> None:
+            if attempt < DONE_ATTEMPTS and "refused the connection" not in cause:
+                self.send_done(peer, request_ids, claimants, attempt + 1)
+        self._notify("done", peer.address, peer.boot_id, request_ids, claimants, on_error)
 
     def _notify(self, kind: str, address: tuple[str, int], boot_id: str | None, request_ids: list[str],
-                claimants: list[str]) -> None:
+                claimants: list[str], on_error: Callable[[str], None] | None = None) -> None:
         """claimants: D's request ids, one per P request id (the claim named them: P trusts only them)."""
         self.clients.get(address).send({"type": kind, "engine_id": self.t.engine_id, "boot_id": boot_id,
                                         "remote_request_ids": request_ids, "claimants": claimants},
-                                       on_reply=lambda *_: None)
+                                       on_reply=lambda *_: None, on_error=on_error)
 
     def _apply_event(self, event: tuple) -> None:
         client, message, handler, on_error, args = event

@@ -314,6 +314,33 @@ def test_handshake_claim_read_done(d):
     loader_idle(d)
 
 
+def test_a_done_lost_on_the_way_is_sent_once_more(d):
+    """Before, a "done" whose exchange failed left P holding the blocks a whole lease (and counting an
+    expiry for a READ that had ended)."""
+    p = d.fake_p()
+    p.holder.hold("p-req", [7])
+    d.apply(PullConnectorMeta(reqs_to_recv=[p.spec("d-req", [1], [7])]))
+    step_until(d, lambda f: "d-req" in d.t_.posted)
+    d.t_.state = "DONE"
+    step_until(d, lambda f: "d-req" in f)
+    peer = next(iter(d.peers.values()))
+    handle, calls = p.server._server.handlers["done"], []
+
+    def lost_once(message, blob):
+        calls.append(message)
+        if len(calls) == 1:
+            raise ConnectionResetError("lost")
+        return handle(message, blob)
+    p.server._server.handlers["done"] = lost_once
+    d.send_done(peer, ["p-req"], ["d-req"])
+    step_until(d, lambda f: len(calls) == 2 and p.holder._grants["p-req"].state == GrantState.READ)
+    assert p.holder.step([]) == {"p-req"} and p.holder.num_expirations == 0
+    time.sleep(0.05)
+    d.step()
+    assert len(calls) == 2   # once more, not for ever
+    loader_idle(d)
+
+
 def test_handshake_without_answer_fails_at_its_deadline(d):
     with socket.socket() as black_hole:  # accepts connections (the backlog), never answers
         black_hole.bind(("127.0.0.1", 0))
