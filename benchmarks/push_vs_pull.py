@@ -90,6 +90,7 @@ async def measure(proxy, prefill, decode, model: str, prompts: dict[int, list[li
                            "ttft_ms": [round(1e3 * t, 2) for t in ttfts],
                            "first_gap_ms_p50": 1e3 * statistics.median(first_gaps) if first_gaps else None,
                            "first_gap_ms_max": 1e3 * max(first_gaps) if first_gaps else None,
+                           "first_gap_ms": [round(1e3 * g, 2) for g in first_gaps],
                            "e2e_ms_p50": 1e3 * statistics.median(e2es) if e2es else None,
                            # per request: a store handoff's two transfers add up
                            "handoff_ms_mean": 1e3 * (after[0] - before[0]) / len(group[1:]) if handoffs else None,
