@@ -20,13 +20,15 @@ their transport hooks with NIXL calls:
   release:  release_xfer_handle; for an active READ (past its deadline) NIXL tries to abort it and
             raises when it cannot: the lifecycle then keeps its blocks quarantined
 
-P still calls get_finished while it holds blocks: a transfer UCX can only emulate (no zero-copy path
-between the two memories) needs both agents progressed.
+A transfer UCX can only emulate (no zero-copy path between the two memories), and now and then one it
+could move one-sided, needs both agents progressed: P's engine does it between steps, and a pull P's
+own thread every HOLDING_PROGRESS_S while it holds grants.
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -37,12 +39,12 @@ from pdserve.kv_transfer.pull_worker_common import Load, PullConnectorWorker, Re
 from pdserve.kv_transfer.push_worker import PushConnectorWorker
 
 try:
-    from nixl._api import nixl_agent, nixl_agent_config
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 except ImportError:
     try:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
+        from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     except ImportError:
-        nixl_agent = nixl_agent_config = None
+        nixl_agent = nixl_agent_config = nixl_thread_sync_t = None
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +66,11 @@ UCX_DEFAULTS = {
 }
 
 
-def new_agent(name: str, enable_prog_thread: bool, what: str) -> Any:
+def new_agent(name: str, enable_prog_thread: bool, what: str, thread_safe: bool = False) -> Any:
     """A NIXL agent over UCX, with UCX_DEFAULTS where the environment is silent. enable_prog_thread: a
     NIXL thread progresses UCX (a busy-polling core); off, progress happens inside our calls (once per
-    engine step). `what` names the caller in the error when NIXL is not installed."""
+    engine step). thread_safe: calls from two threads are serialized by NIXL. `what` names the caller in
+    the error when NIXL is not installed."""
     if nixl_agent is None:
         raise ImportError(f"{what}: neither nixl nor nixl_cu13 is installed")
     if torch.cuda.is_available():   # (without CUDA, UCX warns of a variable no loaded transport reads)
@@ -75,7 +78,8 @@ def new_agent(name: str, enable_prog_thread: bool, what: str) -> Any:
     if "UCX_TCP_TX_SEG_SIZE" not in os.environ and "UCX_TCP_RX_SEG_SIZE" not in os.environ:
         for key in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
             os.environ[key] = UCX_DEFAULTS[key]
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=["UCX"]))
+    sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if thread_safe else None
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=["UCX"], sync_mode=sync))
 
 
 def ucx_tcp_segments() -> str:
@@ -121,7 +125,8 @@ class NixlTransport:
     """The NIXL hooks, for either direction (a mixin before the direction's worker class)."""
 
     def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int]) -> None:
-        self.agent = new_agent(engine_id, config.enable_prog_thread, f"kv_connector {config.kv_connector}")
+        self.agent = new_agent(engine_id, config.enable_prog_thread, f"kv_connector {config.kv_connector}",
+                               thread_safe=self._progresses_while_holding(config))
         self._reg_descs = None
         super().__init__(config, engine_id, {**compat, "ucx_tcp_segments": ucx_tcp_segments()})
 
@@ -144,6 +149,9 @@ class NixlTransport:
         if handle is not None:
             handle.release()
 
+    def _progresses_while_holding(self, config: KVTransferConfig) -> bool:
+        return False
+
     def _take_notifs(self) -> list[str]:
         # Also progresses the agent. Pull READs carry none (D says "done" over the side channel).
         return [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
@@ -157,8 +165,41 @@ class NixlTransport:
             self._reg_descs = None
 
 
+HOLDING_PROGRESS_S = 0.002   # P: how often its agent is progressed while it holds grants (see below)
+
+
 class NixlConnectorWorker(NixlTransport, PullConnectorWorker):
     notifies_done = True   # the side channel, not a NIXL notification: see the module docstring
+
+    def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int]) -> None:
+        super().__init__(config, engine_id, compat)
+        # P, without NIXL's busy progress thread: most READs are one-sided, but UCX moved one in eight by a
+        # path that waits for P's agent (docs/benchmarks.md, session 45), which P's engine progresses only
+        # between steps of seconds on CPU. While P holds grants a thread of ours progresses it every
+        # HOLDING_PROGRESS_S (the agent is thread-safe for it); idle, it sleeps.
+        self._stop_progress = threading.Event()
+        self._progress_thread = None
+        if self._progresses_while_holding(config):
+            self._progress_thread = threading.Thread(target=self._progress_while_holding, daemon=True,
+                                                     name=f"nixl-progress-{engine_id}")
+            self._progress_thread.start()
+
+    def _progresses_while_holding(self, config: KVTransferConfig) -> bool:
+        return config.is_producer and not config.enable_prog_thread
+
+    def _progress_while_holding(self) -> None:
+        while not self._stop_progress.wait(HOLDING_PROGRESS_S if self.holder.num_pending() else 0.05):
+            if self.holder.num_pending():
+                try:
+                    self.agent.get_new_notifs()   # (dropped: see _take_notifs)
+                except Exception as e:   # never let the thread die on a transient binding error
+                    logger.debug("NIXL progress: %s: %s", type(e).__name__, e)
+
+    def _shutdown_lifecycle(self) -> None:
+        self._stop_progress.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join(timeout=1.0)
+        super()._shutdown_lifecycle()
 
     def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
         return self._xfer("READ", remote, runs, "")

@@ -96,6 +96,7 @@ def test_cancel_before_handshake_completes(make_worker):
 def test_cancel_in_flight_reports_once_after_read(make_worker, monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp,self")   # an emulated READ: in flight until P's agent progresses
     p = make_worker("producer")
+    p._stop_progress.set()   # (and P's progress thread does not do it)
     d = make_worker("consumer")
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-warm", [0]), SendSpec("p-req", [3, 4])]))
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("warm", p, [0], [0], "p-warm")]))
@@ -184,3 +185,20 @@ def test_a_nixl_notification_naming_a_grant_frees_nothing(make_worker):
     assert "p-req" not in freed and p.get_stats()["num_blocks_held_for_transfer"] == 2
     p.release_held(["p-req"])
     poll([p], lambda s, r: "p-req" in s)
+
+
+def test_p_progresses_its_agent_while_it_holds_grants(make_worker, monkeypatch):
+    """A READ UCX moves by a path that needs P's agent (here: TCP only, emulated) completes while P's
+    engine is inside a long step: P's own thread progresses the agent while it holds grants. Before, it
+    waited for P's next step (seconds of prefill on CPU)."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    p_cache = torch.arange(torch.zeros(KV_SHAPE).numel(), dtype=torch.float32).reshape(KV_SHAPE)
+    p, d = make_worker("producer", kv_cache=p_cache.clone()), make_worker("consumer")
+    for n, blocks in enumerate(([1, 2], [3, 4, 5])):
+        p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec(f"p{n}", blocks)]))
+        d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec(f"d{n}", p, [7, 8, 9][:len(blocks)], blocks,
+                                                                   p_request_id=f"p{n}")]))
+        poll([p, d] if n == 0 else [d], lambda s, r: f"d{n}" in r, timeout=3.0)   # the second: only D steps
+        assert torch.equal(d._kv_cache[[7, 8, 9][:len(blocks)]], p_cache[blocks])
+        poll([p], lambda s, r: f"p{n}" in s)
+    assert p.get_stats()["num_blocks_held_for_transfer"] == 0
