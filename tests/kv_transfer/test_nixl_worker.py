@@ -144,24 +144,29 @@ def test_unreachable_remote_fails_request(make_worker):
     assert_idle(d)
 
 
-def test_a_read_completes_while_p_is_inside_a_long_step(make_worker):
-    """P's engine progresses its agent only between steps, and a CPU prefill step lasts seconds: D's READ
-    must not wait for it (a READ that notified P through NIXL did, and D's stream stalled a whole P step
-    after its first token). P learns the READ is done over the side channel, at its next step."""
+def two_handoffs_the_second_stepping_only_d(make_worker, p_progress_thread: bool) -> None:
+    """Two handoffs of blocks P holds; the first connects the two agents with both stepping, the second
+    steps only D (P inside a long step), and must complete all the same."""
     p_cache = torch.arange(torch.zeros(KV_SHAPE).numel(), dtype=torch.float32).reshape(KV_SHAPE)
     p, d = make_worker("producer", kv_cache=p_cache.clone()), make_worker("consumer")
+    if not p_progress_thread:
+        p._stop_progress.set()
     for n, blocks in enumerate(([1, 2], [3, 4, 5])):
         p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec(f"p{n}", blocks)]))
         d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec(f"d{n}", p, [7, 8, 9][:len(blocks)], blocks,
                                                                    p_request_id=f"p{n}")]))
-        # the first handoff also connects the two agents, with both stepping; the second steps only D
-        workers = [p, d] if n == 0 else [d]
-        poll(workers, lambda s, r: f"d{n}" in r, timeout=3.0)
+        poll([p, d] if n == 0 else [d], lambda s, r: f"d{n}" in r, timeout=3.0)
         assert torch.equal(d._kv_cache[[7, 8, 9][:len(blocks)]], p_cache[blocks])
-        if n == 0:
-            poll([p], lambda s, r: "p0" in s)
-    sending, _ = poll([p], lambda s, r: "p1" in s)   # P's next step frees the blocks D read
+        poll([p], lambda s, r: f"p{n}" in s)   # P's next step frees the blocks D read
     assert p.get_stats()["num_blocks_held_for_transfer"] == 0
+
+
+def test_a_read_completes_while_p_is_inside_a_long_step(make_worker):
+    """P's engine progresses its agent only between steps, and a CPU prefill step lasts seconds: D's READ
+    must not wait for it (a READ that notified P through NIXL did, and D's stream stalled a whole P step
+    after its first token). P learns the READ is done over the side channel, at its next step. (P's own
+    progress thread is stopped: the READ is one-sided.)"""
+    two_handoffs_the_second_stepping_only_d(make_worker, p_progress_thread=False)
 
 
 def test_a_nixl_notification_naming_a_grant_frees_nothing(make_worker):
@@ -192,13 +197,4 @@ def test_p_progresses_its_agent_while_it_holds_grants(make_worker, monkeypatch):
     engine is inside a long step: P's own thread progresses the agent while it holds grants. Before, it
     waited for P's next step (seconds of prefill on CPU)."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")
-    p_cache = torch.arange(torch.zeros(KV_SHAPE).numel(), dtype=torch.float32).reshape(KV_SHAPE)
-    p, d = make_worker("producer", kv_cache=p_cache.clone()), make_worker("consumer")
-    for n, blocks in enumerate(([1, 2], [3, 4, 5])):
-        p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec(f"p{n}", blocks)]))
-        d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec(f"d{n}", p, [7, 8, 9][:len(blocks)], blocks,
-                                                                   p_request_id=f"p{n}")]))
-        poll([p, d] if n == 0 else [d], lambda s, r: f"d{n}" in r, timeout=3.0)   # the second: only D steps
-        assert torch.equal(d._kv_cache[[7, 8, 9][:len(blocks)]], p_cache[blocks])
-        poll([p], lambda s, r: f"p{n}" in s)
-    assert p.get_stats()["num_blocks_held_for_transfer"] == 0
+    two_handoffs_the_second_stepping_only_d(make_worker, p_progress_thread=True)
