@@ -617,10 +617,11 @@ class Loader:
                      [spec.request_id])
 
     def send_done(self, peer: Peer, request_ids: list[str], claimants: list[str], attempt: int = 1) -> None:
-        """Sent again once when it fails on the way (P would otherwise hold the blocks a whole lease),
-        not when nothing listens there (P is gone, and its blocks with it)."""
+        """Sent again once when it fails on the way (P would otherwise hold the blocks a whole lease); not
+        when nothing listens there (P is gone, and its blocks with it), nor after a timeout (it may have
+        arrived, and another wait as long would hold up this P's lane twice)."""
         def on_error(cause: str) -> None:
-            if attempt < DONE_ATTEMPTS and "refused the connection" not in cause:
+            if attempt < DONE_ATTEMPTS and cause not in (side_channel.CAUSE_REFUSED, side_channel.CAUSE_TIMEOUT):
                 self.send_done(peer, request_ids, claimants, attempt + 1)
         self._notify("done", peer.address, peer.boot_id, request_ids, claimants, on_error)
 

@@ -201,6 +201,8 @@ class NixlConnectorWorker(NixlTransport, PullConnectorWorker):
         self._stop_progress.set()
         if self._progress_thread is not None:
             self._progress_thread.join(timeout=1.0)
+            if self._progress_thread.is_alive():
+                logger.warning("NIXL progress thread of %s still running after 1 s", self.engine_id)
         super()._shutdown_lifecycle()
 
     def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:

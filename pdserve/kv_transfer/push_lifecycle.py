@@ -833,7 +833,7 @@ class Receiver:
             recv.is_probing = False
             if not self._live(recv) or not recv.is_reported:
                 continue
-            if "refused the connection" in cause:  # no process listens at P's side channel: P is gone
+            if cause == side_channel.CAUSE_REFUSED:  # no process listens at P's side channel: P is gone
                 self._end(recv, recv.error or "the prefill instance is gone (its side channel refused the connection)")
             elif recv.state in (RecvState.ANNOUNCING, RecvState.RELEASING):
                 # it may have reached P: P may write until the announce and the WRITE time out

@@ -37,6 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
+# Causes an exchange's on_error gets, which callers tell apart (a refusal: nothing listens there)
+CAUSE_TIMEOUT = "its side channel did not answer in time"
+CAUSE_REFUSED = "its side channel refused the connection"
 
 PROTOCOL_VERSION = 1
 DEFAULT_TIMEOUT_S = 5.0
@@ -235,9 +238,8 @@ class PeerClient:
                 logger.warning("%s to %s:%d failed: %s: %s", message["type"], *self.address, type(e).__name__, e)
                 # A refused connection is told apart: nothing listens there (the push handoff's D takes
                 # that for a P that is gone; any other failure may have reached the peer).
-                cause = ("its side channel did not answer in time" if isinstance(e, TimeoutError) else
-                         "its side channel refused the connection" if isinstance(e, ConnectionRefusedError) else
-                         "its side channel failed")
+                cause = (CAUSE_TIMEOUT if isinstance(e, TimeoutError) else
+                         CAUSE_REFUSED if isinstance(e, ConnectionRefusedError) else "its side channel failed")
                 event = (self, message, on_error, None, (cause,))
             self._events.put(event)
         try:
