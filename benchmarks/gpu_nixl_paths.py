@@ -161,8 +161,8 @@ def initiator_main(conn, device: str, size: int, log_path: str, remote_info: dic
                     else:
                         ok = bool((bufs[src] == value).all().item())
                     times = [_transfer(agent, op, local, remote, remote_name) for _ in range(repeats)]
-                    case.update(verified=ok, first_s=first, seconds=times,
-                                gbps_best=size / min(times) / 1e9, gbps_median=size / sorted(times)[len(times) // 2] / 1e9)
+                    case.update(verified=ok, first_s=first, seconds=times, gbps_best=size / min(times) / 1e9,
+                                gbps_median=size / sorted(times)[len(times) // 2] / 1e9)
                 except Exception as e:
                     case["error"] = f"{type(e).__name__}: {e}"
                 conn.send(("case", case, None))

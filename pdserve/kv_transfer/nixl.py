@@ -7,7 +7,8 @@ PullConnectorWorker (pull_worker_common.py) and PushConnectorWorker (push_worker
 their transport hooks with NIXL calls:
 
   register: the KV cache is registered with the agent; the handshake carries the agent's metadata
-  connect:  D adds P's agent (engine thread: the agent runs without locks)
+  connect:  D adds P's agent (engine thread: the agent runs without locks, but for a pull P's on CPU,
+            which its progress thread shares: NIXL's thread-safe mode)
   post:     one READ per request, one descriptor per coalesced run, without a NIXL notification: D
             tells P "done" over the side channel (notifies_done). A notification completes only once the
             target's agent is progressed, which P's engine does between steps, and a CPU prefill step
