@@ -7,6 +7,10 @@ pageable or pinned, and DRAM → DRAM (the CPU machines). Each UCX setting runs 
     PYTHONPATH=$PWD python benchmarks/gpu_nixl_paths.py --out $OUT/nixl-paths.json      # GPU machine
     PYTHONPATH=$PWD python benchmarks/gpu_nixl_paths.py --device cpu --out /tmp/p.json   # DRAM only
 
+--target-poll-ms N: the target progresses its agent only every N ms (an engine between long steps);
+BENCH_NOTIF= (empty) posts transfers without a NIXL notification (default: one, "x"), which completes only
+as the target progresses: compare the two to see what waits for the target.
+
 Per case: one verified transfer (the destination filled with a byte the source holds, checked after),
 then --repeats timed ones; GB/s = bytes / (post → DONE), the initiator busy-polling, the target
 progressing its agent meanwhile (as an engine's loop does). Descriptors: the whole buffer as one, or
