@@ -45,10 +45,8 @@ DEADLINE_S = 30.0   # one transfer; past it the case is recorded as stuck and th
 
 
 def _nixl():
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
+    """NIXL's own agent class, not pdserve's new_agent: each config sets UCX's environment itself."""
+    from pdserve.kv_transfer.nixl import nixl_agent, nixl_agent_config
     return nixl_agent, nixl_agent_config
 
 

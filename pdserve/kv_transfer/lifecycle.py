@@ -130,8 +130,8 @@ class LeaseHolder:
                     # nobody's (a READ follows a claim), as is one before the grant (below).
                     if senders is not None and (not _is_claimant(grant.claimant, senders[i]) if grant.state ==
                                                 GrantState.CLAIMED else peer_read):
-                        logger.warning("%s of %s from %s ignored: claimed by %s", state.value, request_id,
-                                       senders[i], grant.claimant)
+                        logger.warning("%s of %s from %s ignored: %s", state.value, request_id, senders[i],
+                                       f"claimed by {grant.claimant}" if grant.claimant else "never claimed")
                         continue
                     grant.state = state
                 elif grant is None and request_id not in self._ended and not peer_read:

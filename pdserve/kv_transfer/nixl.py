@@ -154,7 +154,7 @@ class NixlTransport:
         return False
 
     def _take_notifs(self) -> list[str]:
-        # Also progresses the agent. Pull READs carry none (D says "done" over the side channel).
+        # Push's D: the transfer ids whose WRITE landed (also progresses the agent); pull overrides it.
         return [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
 
     def _disconnect(self, remote: RemoteEngine) -> None:

@@ -198,3 +198,13 @@ def test_p_progresses_its_agent_while_it_holds_grants(make_worker, monkeypatch):
     waited for P's next step (seconds of prefill on CPU)."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     two_handoffs_the_second_stepping_only_d(make_worker, p_progress_thread=True)
+
+
+def test_shutdown_stops_p_s_progress_thread_even_while_it_holds_grants(make_worker):
+    p = make_worker("producer")
+    p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [3, 4])]))
+    poll([p], lambda s, r: p.holder.num_pending() == 1)
+    assert p._progress_thread is not None and p._progress_thread.is_alive()   # (CPU host: it runs)
+    started = time.monotonic()
+    p.shutdown()
+    assert not p._progress_thread.is_alive() and time.monotonic() - started < 1.0
