@@ -11,7 +11,9 @@ default model, each instance on its own core. Per connector and prompt length: o
 --repeats timed ones (random token ids, max_tokens 4, ignore_eos, streamed): TTFT as the client sees it,
 and the handoff's own time per request from the instances' kv_transfer_seconds histograms (D times a pull's
 READ, P a push's WRITE; a store handoff is two transfers, P's WRITE into the pool and D's READ from it, and
-its time is their sum). Outputs are compared token by token between the connectors. Prints and saves JSON.
+its time is their sum; `store` maps the pool where it runs on the store's host, as here, and `store-nixl` is
+the same store started with --no-shared-memory, so that its KV moves over NIXL). Outputs are compared token by
+token between the connectors. Prints and saves JSON.
 --concurrency C keeps C requests in flight (a closed loop; under load): TTFT p50 and p90, requests per
 second, and the handoff's time per request then include the queueing that load brings.
 
@@ -131,7 +133,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed requests per prompt length")
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests in flight at once (1: one at a time; more: under load, a closed loop)")
-    p.add_argument("--connectors", default="nixl,nixl-push", help="any of nixl, nixl-push, cuda_ipc, store")
+    p.add_argument("--connectors", default="nixl,nixl-push", help="any of nixl, nixl-push, cuda_ipc, store, store-nixl")
     p.add_argument("--store-capacity", default="4GiB", help="the kv-store's pool (store)")
     p.add_argument("--gpus", default="0,1", help="P's and D's GPU (cuda)")
     p.add_argument("--tp-pairs", default="1:1", help="P:D tensor-parallel sizes to measure, e.g. 1:1,2:2,2:1,1:2")
@@ -167,9 +169,11 @@ def main() -> None:
         children = []
         try:
             pin = lambda core: ["--cpu-cores", core] if args.device == "cpu" else []  # noqa: E731
-            kv = ["--kv-connector", connector]
-            if connector == "store":
-                store = child(["kv-store", "--capacity", args.store_capacity], None, log_dir, "kv-store")
+            is_store = connector in ("store", "store-nixl")
+            kv = ["--kv-connector", "store" if is_store else connector]
+            if is_store:
+                store = child(["kv-store", "--capacity", args.store_capacity]
+                              + (["--no-shared-memory"] if connector == "store-nixl" else []), None, log_dir, "kv-store")
                 children.append(store)
                 wait_listening(store.port)
                 kv += ["--kv-store", f"127.0.0.1:{store.port}"]
@@ -180,7 +184,7 @@ def main() -> None:
             children += [prefill, decode]
             prefill.wait_healthy(600), decode.wait_healthy(600)
             deadline = time.monotonic() + 30
-            while connector == "store" and not all(i.metrics().get("kv_store_connected") for i in (prefill, decode)):
+            while is_store and not all(i.metrics().get("kv_store_connected") for i in (prefill, decode)):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the instances did not connect to the kv-store within 30 s")
                 time.sleep(0.2)
@@ -189,6 +193,9 @@ def main() -> None:
             proxy.wait_healthy(60)
             result["connectors"][name] = asyncio.run(measure(proxy, prefill, decode, model, prompts,
                                                              args.concurrency))
+            if is_store:   # did the instances map the pool, or move KV over NIXL?
+                result.setdefault("store_shared_memory", {})[name] = [
+                    i.metrics().get("kv_store_shared_memory") for i in (prefill, decode)]
         finally:
             for c in reversed(children):
                 c.stop()

@@ -1,14 +1,17 @@
 """`pdserve kv-store`: a KV block pool shared by many instances, keyed by the prefix cache's chained hash.
 
 The pool is one DRAM buffer of --capacity bytes registered with NIXL, cut into slots of one KV block
-each. Clients (kv_transfer/store.py) move the data themselves: P WRITEs its blocks into slots the store
+each, in shared memory that clients on this host map. Clients (kv_transfer/store.py) move the data themselves: P WRITEs its blocks into slots the store
 gave it, D READs slots a lookup found; the store never posts a transfer. Control is the side channel's
 framed request/reply (kv_transfer/side_channel.py), one message each:
 
-  handshake {compat_hash, compat, block_bytes} → {boot_id, region, insert_ttl_s, lease_s} + NIXL metadata.
+  handshake {compat_hash, compat, block_bytes} → {boot_id, region, insert_ttl_s, lease_s, ucx_tcp_segments,
+      shared_memory} + NIXL metadata.
       The first client fixes the layout (block bytes and compat hash); a client of another layout is
       refused with both sides named. boot_id changes when the store restarts: every other message carries
       it, and one naming another boot is refused ("stale_boot"), since slots of a dead boot mean nothing.
+      shared_memory (unless --no-shared-memory) names the pool's memory file: a client on this host maps
+      it and copies instead of transferring (kv_transfer/store_shm.py).
   insert {insert_id, hashes} → {slots: [[i, slot], ...]}  slots to WRITE hashes[i] into (present hashes skipped)
   commit {insert_id} / abort {insert_id}                  the WRITE is done / failed
   lookup {lease_id, hashes, min_blocks, wait_s} → {slots} the longest stored run, pinned for lease_s.
@@ -47,7 +50,8 @@ from pdserve.kv_store.index import MAX_SLOTS, StoreIndex
 from pdserve.kv_store.options import DEFAULT_INSERT_TTL_S, DEFAULT_LEASE_S
 from pdserve.stop_signals import stop_signals
 from pdserve.kv_transfer import side_channel
-from pdserve.kv_transfer.nixl import new_agent
+from pdserve.kv_transfer.nixl import new_agent, ucx_tcp_segments
+from pdserve.kv_transfer.store_shm import SharedPool
 
 
 logger = logging.getLogger(__name__)
@@ -87,7 +91,7 @@ def _hashes(message: dict[str, Any]) -> list[int]:
 class KVStoreServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, capacity_bytes: int = 1 << 30,
                  lease_s: float = DEFAULT_LEASE_S, insert_ttl_s: float = DEFAULT_INSERT_TTL_S,
-                 auth_key: str | None = None, enable_prog_thread: bool = False) -> None:
+                 auth_key: str | None = None, enable_prog_thread: bool = False, shared_memory: bool = True) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity: must be > 0 bytes, got {capacity_bytes}")
         if lease_s <= 2.0 or insert_ttl_s <= 2.0:
@@ -102,6 +106,8 @@ class KVStoreServer:
         self.compat_hash: str | None = None
         self.compat: dict[str, Any] | None = None
         self._buffer: torch.Tensor | None = None
+        self.shared_memory = shared_memory
+        self._shared: SharedPool | None = None
         self._reg_descs = None
         self._blob = b""
         self._closed = threading.Event()
@@ -121,7 +127,13 @@ class KVStoreServer:
             raise ValueError(f"capacity {self.capacity_bytes} bytes holds {num_slots} blocks of {block_bytes} bytes; "
                              f"the store holds 1 to {MAX_SLOTS}")
         index = StoreIndex(num_slots)
-        self._buffer = torch.zeros(num_slots * block_bytes, dtype=torch.uint8)  # touched: resident now
+        if self.shared_memory:
+            try:
+                self._shared = SharedPool(num_slots * block_bytes, self.boot_id)   # touched: resident now
+            except (OSError, AttributeError) as e:   # (os.memfd_create: Linux only)
+                logger.warning("kv-store: the pool is not in shared memory, clients use NIXL: %s", e)
+        self._buffer = (self._shared.slots if self._shared is not None
+                        else torch.zeros(num_slots * block_bytes, dtype=torch.uint8))
         self._reg_descs = self.agent.register_memory(self._buffer)
         self._blob = self.agent.get_agent_metadata()
         self.index = index
@@ -150,7 +162,8 @@ class KVStoreServer:
                 return {"ok": False, "error": "KV layout mismatch with the store: " + (
                     ", ".join(diffs) or f"block_bytes store={self.block_bytes} client={block_bytes}")}, b""
             return {"ok": True, "boot_id": self.boot_id, "agent_name": self.agent_name, "region": self._region(),
-                    "lease_s": self.lease_s, "insert_ttl_s": self.insert_ttl_s}, self._blob
+                    "lease_s": self.lease_s, "insert_ttl_s": self.insert_ttl_s, "ucx_tcp_segments": ucx_tcp_segments(),
+                    "shared_memory": self._shared.describe() if self._shared is not None else None}, self._blob
 
     def _refusal(self, message: dict[str, Any]) -> dict[str, Any] | None:
         if self.index is None or message.get("boot_id") != self.boot_id:
@@ -249,13 +262,17 @@ class KVStoreServer:
         if self._reg_descs is not None:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None
+        self._buffer = None
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
 
 
 def main(args: argparse.Namespace, auth_key: str | None = None) -> int:
     try:
         capacity = parse_bytes(args.capacity)
         server = KVStoreServer(args.host, args.port, capacity, args.lease_seconds, args.insert_ttl_seconds,
-                               auth_key=auth_key)
+                               auth_key=auth_key, shared_memory=args.shared_memory)
     except (ValueError, ImportError, OSError) as e:
         print(f"pdserve kv-store: {e}")
         return 2

@@ -1,11 +1,14 @@
-"""The worker half of the store handoff over NIXL: READs of a lookup's slots into this instance's blocks, and
-inserts (ask for slots, WRITE, commit) of finished prompts, against the pool of `pdserve kv-store`.
+"""The worker half of the store handoff: READs of a lookup's slots into this instance's blocks, and inserts
+(ask for slots, WRITE, commit) of finished prompts, against the pool of `pdserve kv-store`. On the store's
+host the pool is mapped here and a READ or WRITE is a copy (store_shm.py); elsewhere it is a NIXL transfer.
 
 Every NIXL call runs on the engine thread (the agent runs without locks); exchanges with the store run on
 the StoreClient's threads and are polled here, once per step. What each wait is bounded by:
 
-  handshake   one exchange (RPC_TIMEOUT_S); a failure is tried again after HANDSHAKE_RETRY_S, and until it
-              succeeds the store counts as empty (lookups and inserts are skipped)
+  handshake   one exchange (RPC_TIMEOUT_S), then mapping the pool where the store offers it on this host
+              (on the store client's thread: a pool of many GiB takes a second to map and pin); a failure is
+              tried again after HANDSHAKE_RETRY_S, and until it succeeds the store counts as empty (lookups
+              and inserts are skipped)
   load        the READ must be done before the lookup's read deadline (send time + lease - margin, so the
               store still pins the slots). Past it, or on a transfer error, the load fails: its blocks are
               invalid and the request recomputes them. A READ past its deadline is aborted; one NIXL cannot
@@ -27,9 +30,10 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.base import KVConnectorWorker
-from pdserve.kv_transfer.nixl import new_agent, post_transfer, transfer_state
+from pdserve.kv_transfer.nixl import new_agent, post_transfer, transfer_state, ucx_tcp_segments
 from pdserve.kv_transfer.store import StoreConnectorMeta, StoreInsertSpec, StoreLoadSpec
 from pdserve.kv_transfer.store_client import StoreClient, read_margin
+from pdserve.kv_transfer.store_shm import CopyHandle, MappedPool, attach
 from pdserve.kv_transfer.transport_worker import (Histogram, Region, coalesce, compat_hash, region_of,
                                                    single_kv_cache)
 
@@ -69,7 +73,8 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._reg_descs = None
         self._region: Region | None = None
         self._store: Region | None = None           # the pool, as the handshake described it
-        self._store_agent: str | None = None
+        self._store_agent: str | None = None        # connected over NIXL ...
+        self._mapped: MappedPool | None = None      # ... or the pool mapped here
         self._insert_ttl_s = 0.0
         self._handshake: Future | None = None
         self._handshake_at = float("-inf")
@@ -94,13 +99,26 @@ class StoreConnectorWorker(KVConnectorWorker):
 
     def _connect(self) -> None:
         self._handshake_at = time.monotonic()
-        self._handshake = self.client.handshake({"engine_id": self.engine_id, "compat_hash": self.compat_hash,
-                                                 "compat": self.compat, "block_bytes": self._region.block_bytes})
+        result: Future = Future()
+
+        def map_pool(handshake: Future) -> None:   # (the store client's thread)
+            try:
+                reply, blob = handshake.result()
+                region = reply["region"]
+                mapped = attach(reply.get("shared_memory"), reply["boot_id"], region["num_blocks"],
+                                region["block_bytes"], self._kv_cache)
+                result.set_result((reply, blob, mapped))
+            except Exception as e:
+                result.set_exception(e)
+
+        self.client.handshake({"engine_id": self.engine_id, "compat_hash": self.compat_hash, "compat": self.compat,
+                               "block_bytes": self._region.block_bytes}).add_done_callback(map_pool)
+        self._handshake = result
 
     def _advance_handshake(self) -> None:
         if self.client.is_ready and self._store is not None:
             return
-        if self._store_agent is not None:   # the store restarted: once nothing moves to or from the old one
+        if self._store is not None:   # the store restarted: once nothing moves to or from the old one
             if self._loads or any(i.handle is not None for i in self._inserts.values()):
                 return
             self._disconnect()
@@ -111,26 +129,38 @@ class StoreConnectorWorker(KVConnectorWorker):
         if not self._handshake.done():
             return
         future, self._handshake = self._handshake, None
+        mapped = None
         try:
-            reply, blob = future.result()
+            reply, blob, mapped = future.result()
             store = Region(**reply["region"])
-            self.agent.add_remote_agent(blob)
+            if mapped is None:
+                theirs, ours = reply.get("ucx_tcp_segments"), ucx_tcp_segments()
+                if theirs is not None and theirs != ours:   # (UCX would fail every transfer)
+                    raise ValueError(f"UCX TCP segment sizes (UCX_TCP_TX_SEG_SIZE/UCX_TCP_RX_SEG_SIZE) differ: "
+                                     f"the store's {theirs}, this instance's {ours}")
+                self.agent.add_remote_agent(blob)
+                self._store_agent = reply["agent_name"]
         except Exception as e:
+            if mapped is not None:
+                mapped.close()
             logger.warning("KV store at %s:%d: handshake failed, lookups and inserts off until it succeeds: %s",
                            *self.client.address, e)
             return
-        self._store, self._store_agent = store, reply["agent_name"]
+        self._store, self._mapped = store, mapped
         self._insert_ttl_s = float(reply["insert_ttl_s"])
         self.client.set_boot(reply["boot_id"])
-        logger.info("KV store at %s:%d: %d slots of %d bytes", *self.client.address, store.num_blocks,
-                    store.block_bytes)
+        logger.info("KV store at %s:%d: %d slots of %d bytes, %s", *self.client.address, store.num_blocks,
+                    store.block_bytes, "mapped here (shared memory)" if mapped is not None else "over NIXL")
 
     def _disconnect(self) -> None:
-        try:
-            self.agent.remove_remote_agent(self._store_agent)
-        except Exception as e:
-            logger.debug("remove_remote_agent: %s", e)
-        self._store = self._store_agent = None
+        if self._mapped is not None:
+            self._mapped.close()
+        if self._store_agent is not None:
+            try:
+                self.agent.remove_remote_agent(self._store_agent)
+            except Exception as e:
+                logger.debug("remove_remote_agent: %s", e)
+        self._store = self._store_agent = self._mapped = None
 
     # ---- the contract ----------------------------------------------------------------------------
 
@@ -176,7 +206,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         return sending, recving
 
     def _state(self, handle: Any) -> str:
-        return transfer_state(self.agent, handle)
+        return handle.state() if isinstance(handle, CopyHandle) else transfer_state(self.agent, handle)
 
     def _released(self, handle: Any) -> bool:
         """Release a transfer (aborting it if active); False: NIXL cannot yet, keep its blocks."""
@@ -283,10 +313,13 @@ class StoreConnectorWorker(KVConnectorWorker):
         if not (0 <= min(local_block_ids) and max(local_block_ids) < local.num_blocks):
             raise ValueError(f"a local block id out of range [0, {local.num_blocks})")
         runs = coalesce(local_block_ids, slots)
-        handle, state = post_transfer(self.agent, op, local, store, self._store_agent, runs, b"")
-        if state == "ERR":
-            handle.release()
-            raise RuntimeError(f"NIXL refused the {op}")
+        if self._mapped is not None:
+            handle = self._mapped.copy(op, runs)
+        else:
+            handle, state = post_transfer(self.agent, op, local, store, self._store_agent, runs, b"")
+            if state == "ERR":
+                handle.release()
+                raise RuntimeError(f"NIXL refused the {op}")
         self.num_descriptors += len(runs)
         return handle
 
@@ -319,6 +352,7 @@ class StoreConnectorWorker(KVConnectorWorker):
             "kv_store_inserted_blocks_total": self.num_inserted_blocks,
             "kv_store_errors_total": self.client.num_errors,
             "kv_store_connected": int(self.client.is_ready),
+            "kv_store_shared_memory": int(self._mapped is not None),
             "kv_store_lookups_total": self.client.num_lookups,
             "kv_store_hits_total": self.client.num_hits,
         }
@@ -329,6 +363,9 @@ class StoreConnectorWorker(KVConnectorWorker):
             self.get_finished()
             time.sleep(0.005)
         self.client.close()
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
         if self._reg_descs is not None:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None

@@ -54,6 +54,7 @@ ENGINE_STAT_HELP = {
     "kv_store_inserted_blocks_total": "Blocks written into the KV store (--kv-connector store).",
     "kv_store_errors_total": "Exchanges with the KV store that failed or were refused.",
     "kv_store_connected": "1 while this instance is connected to its KV store.",
+    "kv_store_shared_memory": "1 while this instance maps its KV store's pool (same host): copies, not NIXL.",
     "kv_store_lookups_total": "Prompts looked up in the KV store.",
     "kv_store_hits_total": "Lookups in the KV store that found at least one block.",
     "num_prefill_tokens_waiting": "Context tokens still to compute before the requests can decode.",

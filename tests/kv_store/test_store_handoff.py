@@ -22,6 +22,7 @@ if not nixl_available():
     pytest.skip("needs NIXL (nixl or nixl_cu13)", allow_module_level=True)
 
 from pdserve.kv_store.server import KVStoreServer  # noqa: E402
+from pdserve.kv_transfer.store_shm import SharedPool  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -30,11 +31,14 @@ KV_SHAPE = (NUM_BLOCKS, 2, 2, BLOCK_SIZE, 1, 8)   # [blocks, layers, kv, slots, 
 BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 8 * 4
 
 
-@pytest.fixture
-def store():
+@pytest.fixture(params=[True, False], ids=["shared-memory", "nixl"])
+def store(request):
+    """Every test runs twice: clients on the store's host map its pool and copy, or (--no-shared-memory)
+    move KV over NIXL."""
     servers = []
 
     def make(**kwargs):
+        kwargs.setdefault("shared_memory", request.param)
         server = KVStoreServer("127.0.0.1", 0, kwargs.pop("capacity", 64 * BLOCK_BYTES), **kwargs)
         servers.append(server)
         return server
@@ -211,7 +215,7 @@ def test_a_restarted_store_is_a_miss_and_the_client_connects_again(store, instan
     store_prompt(server, sched, worker, kv, "a", list(range(8)), [1, 2])
     port = server.port
     server.close()
-    restarted = KVStoreServer("127.0.0.1", port, 64 * BLOCK_BYTES)
+    restarted = KVStoreServer("127.0.0.1", port, 64 * BLOCK_BYTES, shared_memory=server.shared_memory)
     try:
         request = Request("r", list(range(8)) + [9], SamplingParams(max_tokens=2))
         assert lookup(sched, worker, request) == (0, False)          # the old boot's lookup is refused
@@ -220,6 +224,9 @@ def test_a_restarted_store_is_a_miss_and_the_client_connects_again(store, instan
         insert(sched, worker, finished_request("b", list(range(8))), [1, 2], kv)
         step_until([worker], lambda s, r: "b" in s)
         wait_for(lambda: restarted.index.num_stored == 2, "the commit to the new boot")
+        assert torch.equal(restarted._buffer[:2 * BLOCK_BYTES].view(torch.float32).view(2, *KV_SHAPE[1:]),
+                           kv[1:3])   # written into the new boot's pool, not the old one's
+        assert worker.get_stats()["kv_store_shared_memory"] == int(server.shared_memory)
         assert_idle(restarted, worker)
     finally:
         restarted.close()
@@ -381,3 +388,71 @@ def test_a_first_handshake_with_absurd_block_bytes_is_refused():
         assert reply["ok"]
     finally:
         server.close()
+
+
+# ---- the pool in shared memory (kv_transfer/store_shm.py) ---------------------------------------------
+
+
+def load_stored_prompt(server, instance):
+    """One instance stores a prompt of 2 blocks, another loads it; (the loader's stats, its KV, the storer's)."""
+    a_sched, a_worker, a_kv = instance(server)
+    b_sched, b_worker, b_kv = instance(server)
+    store_prompt(server, a_sched, a_worker, a_kv, "a", list(range(8)), [1, 2])
+    request = Request("r", list(range(8)) + [9], SamplingParams(max_tokens=2))
+    assert lookup(b_sched, b_worker, request) == (8, True)
+    b_sched.update_state_after_alloc(request, [5, 6, 7], 8)
+    b_worker.start_load_kv(b_sched.build_connector_meta(None))
+    step_until([b_worker], lambda s, r: "r" in r)
+    assert b_worker.get_block_ids_with_load_errors() == set()
+    assert torch.equal(b_kv[5:7], a_kv[1:3])
+    assert_idle(server, a_worker, b_worker)
+    return b_worker.get_stats(), a_worker.get_stats()
+
+
+def test_a_client_on_the_stores_host_maps_the_pool_and_copies(store, instance):
+    server = store()
+    loader, storer = load_stored_prompt(server, instance)
+    assert loader["kv_store_shared_memory"] == storer["kv_store_shared_memory"] == int(server.shared_memory)
+    assert loader["kv_store_loaded_blocks_total"] == 2 and storer["kv_store_inserted_blocks_total"] == 2
+
+
+@pytest.mark.parametrize("offer", ["a file that is not the pool", "another host", "a path that does not open"])
+def test_a_pool_the_client_cannot_map_leaves_it_on_nixl(store, instance, monkeypatch, tmp_path, offer):
+    """What the store offers is checked before it is used: a file of the pool's size whose header names no
+    store of this boot (a reused pid or fd), another host's boot id, or a path this user cannot open."""
+    server = store()
+    if not server.shared_memory:
+        pytest.skip("about a pool in shared memory")
+    describe = SharedPool.describe
+
+    def offered(pool):
+        description = describe(pool)
+        if offer == "another host":
+            return {**description, "host": "another-boot-id"}
+        if offer == "a path that does not open":
+            return {**description, "path": str(tmp_path / "missing")}
+        impostor = tmp_path / "impostor"
+        impostor.write_bytes(b"\0" * description["bytes"])
+        return {**description, "path": str(impostor)}
+
+    monkeypatch.setattr(SharedPool, "describe", offered)
+    loader, storer = load_stored_prompt(server, instance)
+    assert loader["kv_store_shared_memory"] == storer["kv_store_shared_memory"] == 0
+
+
+def test_a_store_with_other_ucx_tcp_segments_is_refused_naming_both_unless_mapped(store, instance, monkeypatch):
+    """UCX fails every transfer between agents of different TCP segment sizes: a client that would move
+    KV over NIXL refuses such a store at the handshake; one that maps the pool does not need UCX."""
+    import pdserve.kv_store.server as server_module
+    monkeypatch.setattr(server_module, "ucx_tcp_segments", lambda: "64k/64k")
+    server = store()
+    config = KVTransferConfig(kv_connector="store", kv_role="both", engine_id="segments",
+                              kv_store=f"127.0.0.1:{server.port}")
+    sched, worker = create_connector(config, BLOCK_SIZE, COMPAT, hash_extra="test")
+    try:
+        worker.register_kv_caches(torch.zeros(KV_SHAPE))
+        wait_for(lambda: (worker.get_finished(), worker._handshake is None)[1], "the handshake's end")
+        assert sched.client.is_ready == server.shared_memory
+        assert (worker._store is not None) == server.shared_memory
+    finally:
+        worker.shutdown()
