@@ -21,6 +21,10 @@ transport hooks fan out, to RankReader (below) on every rank:
   done:     D's READs carry no NIXL notification (one completes only as its target agent progresses,
             between P's steps: nixl.py); D tells P "done" over the side channel (notifies_done), once
             every rank's READ is done.
+  progress: a P's ranks 1..T-1 progress their agents from a thread of their own every
+            HOLDING_PROGRESS_S while rank 0 holds grants, as rank 0 does (a READ UCX can only emulate
+            needs the target's agent progressed, and P's step can last seconds). Rank 0 tells them with
+            each step's poll whether it holds any; between steps the last word stands.
 
 A one-rank decode instance uses this worker too (ranks None), so that it can read a tensor-parallel P;
 from a one-rank P it reads exactly as NixlConnectorWorker does. Ranks 1..T-1 are reached through
@@ -33,13 +37,15 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from pdserve.config import KVTransferConfig
-from pdserve.kv_transfer.nixl import NixlConnectorWorker, new_agent, post_transfer, transfer_state
+from pdserve.kv_transfer.nixl import (HOLDING_PROGRESS_S, NixlConnectorWorker, new_agent, post_transfer,
+                                      transfer_state)
 from pdserve.kv_transfer.pull_worker_common import Load, Region, RemoteEngine
 from pdserve.kv_transfer.transport_worker import coalesce, region_of
 from pdserve.parallel.group import RankCallError
@@ -102,12 +108,28 @@ class RankReader:
         self.remotes: dict[str, tuple[int, dict[int, tuple[str, Region]]]] = {}  # key → (remote tp, rank → agent)
         self._reads: dict[int, _Read] = {}
         self._ids = itertools.count()
+        self.holding = False   # a P's rank: rank 0 holds grants (its last poll said so)
+        self._stop_progress = threading.Event()
+        self._progress_thread: threading.Thread | None = None
 
     @classmethod
     def create(cls, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int,
-               num_kv_heads: int) -> RankReader:
-        agent = new_agent(agent_name, enable_prog_thread, "kv_connector nixl")
-        return cls(agent, agent_name, rank, tp_size, num_kv_heads)
+               num_kv_heads: int, progress_while_holding: bool = False) -> RankReader:
+        agent = new_agent(agent_name, enable_prog_thread, "kv_connector nixl", thread_safe=progress_while_holding)
+        reader = cls(agent, agent_name, rank, tp_size, num_kv_heads)
+        if progress_while_holding:
+            reader._progress_thread = threading.Thread(target=reader._progress_while_holding, daemon=True,
+                                                       name=f"nixl-progress-{agent_name}")
+            reader._progress_thread.start()
+        return reader
+
+    def _progress_while_holding(self) -> None:
+        while not self._stop_progress.wait(HOLDING_PROGRESS_S if self.holding else 0.05):
+            if self.holding:
+                try:
+                    self.agent.get_new_notifs()   # (a P drops notifications: only the claimant's "done" counts)
+                except Exception as e:   # never let the thread die on a transient binding error
+                    logger.debug("NIXL progress: %s: %s", type(e).__name__, e)
 
     def register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         self.kv_cache = kv_cache
@@ -191,8 +213,10 @@ class RankReader:
     def state_of(self, read_id: int) -> str:
         return self._state(self._reads[read_id])
 
-    def poll(self) -> dict[int, str]:
-        """Every read's state (copied into the cache once done); progresses the agent."""
+    def poll(self, holding: bool = False) -> dict[int, str]:
+        """Every read's state (copied into the cache once done); progresses the agent. holding: whether
+        rank 0 (of a P) holds grants, so that this rank's thread progresses the agent until told otherwise."""
+        self.holding = holding
         states = {i: self._state(r) for i, r in self._reads.items()}
         self.agent.get_new_notifs()
         return states
@@ -212,6 +236,11 @@ class RankReader:
             read.staging_reg = read.staging = None
 
     def deregister(self) -> None:
+        self._stop_progress.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join(timeout=1.0)
+            if self._progress_thread.is_alive():
+                logger.warning("NIXL progress thread of %s still running after 1 s", self.agent_name)
         for read in self._reads.values():
             try:
                 self._let_go(read)
@@ -245,10 +274,11 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         self.ranks = ranks
         self.tp_size = ranks.size if ranks is not None else 1
         self._rank_states: list[dict[int, str]] = []
+        self._ranks_holding = False   # what the last poll told the ranks
         super().__init__(config, engine_id, compat)
         self.local = RankReader(self.agent, engine_id, 0, self.tp_size, num_kv_heads)
-        self._call("kv_init", [(f"{engine_id}-rank{r}", config.enable_prog_thread, r, self.tp_size, num_kv_heads)
-                               for r in range(1, self.tp_size)])
+        self._call("kv_init", [(f"{engine_id}-rank{r}", config.enable_prog_thread, r, self.tp_size, num_kv_heads,
+                                self._progress_thread is not None) for r in range(1, self.tp_size)])
 
     def _call(self, op: str, per_rank_args: list[tuple] | None = None) -> list[Any]:
         return self.ranks.call(op, per_rank_args) if self.ranks is not None else []
@@ -344,10 +374,13 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         # One round to the ranks a step, and only while something may be moving: D's READs, or P's blocks
-        # under a lease (a READ UCX can only emulate needs the ranks' agents progressed).
+        # under a lease (a READ UCX can only emulate needs the ranks' agents progressed), or to tell the
+        # ranks' progress threads that P holds nothing any more.
+        holding = self._progress_thread is not None and self.holder.num_pending() > 0
         if self.ranks is not None and self._region is not None and (
-                self.loader.num_pending() or self.holder.num_pending()):
-            self._rank_states = self._call("kv_poll")
+                self.loader.num_pending() or self.holder.num_pending() or holding != self._ranks_holding):
+            self._rank_states = self._call("kv_poll", [(holding,)] * (self.tp_size - 1))
+            self._ranks_holding = holding
         else:
             self._rank_states = []
         return super().get_finished()

@@ -396,14 +396,16 @@ class RankCalls:
         self.transport = None
         self.handlers = {"kv_init": self.kv_init, "kv_register": lambda: self.transport.register(runner.kv_cache),
                          "kv_connect": lambda *a: self.transport.connect(*a),
-                         "kv_post": lambda *a: self.transport.post(*a), "kv_poll": lambda: self.transport.poll(),
+                         "kv_post": lambda *a: self.transport.post(*a), "kv_poll": lambda *a: self.transport.poll(*a),
                          "kv_release": lambda *a: self.transport.release(*a),
                          "kv_disconnect": lambda *a: self.transport.disconnect(*a),
                          "kv_deregister": lambda: self.transport.deregister()}
 
-    def kv_init(self, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int, num_kv_heads: int) -> None:
+    def kv_init(self, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int, num_kv_heads: int,
+                progress_while_holding: bool = False) -> None:
         from pdserve.kv_transfer.nixl_tp import RankReader
-        self.transport = RankReader.create(agent_name, enable_prog_thread, rank, tp_size, num_kv_heads)
+        self.transport = RankReader.create(agent_name, enable_prog_thread, rank, tp_size, num_kv_heads,
+                                           progress_while_holding)
 
     def run(self, op: str, args: tuple) -> tuple[str, object]:
         """("ok", result) or ("error", why): a failure of one call is rank 0's to handle, not this rank's end."""

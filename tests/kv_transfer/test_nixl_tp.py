@@ -78,3 +78,23 @@ def test_a_remote_of_a_tensor_parallel_size_this_one_cannot_pair_with_is_refused
         raise AssertionError("a 3-rank D paired with a 2-rank P")
     six_ranks = {"tp_ranks": [{}] * 5}   # 6 is a multiple of 3: each D rank reads two P ranks
     worker._check_remote_region(region, six_ranks, "prefill-engine-8")
+
+
+def test_rank_0_tells_the_ranks_whether_p_holds_grants_and_once_that_it_no_longer_does(monkeypatch):
+    """A P's ranks 1..T-1 progress their agents from a thread while rank 0 holds grants: each step's poll
+    says so, and one more poll says when the grants are gone (before, nothing told them, and the ranks'
+    agents progressed only once per P step)."""
+    from pdserve.kv_transfer.nixl import NixlConnectorWorker
+    monkeypatch.setattr(NixlConnectorWorker, "get_finished", lambda self: (set(), set()))
+    ranks = FakeRanks()
+    worker = bare_worker(ranks)
+    pending = {"held": 1}
+    worker._progress_thread, worker._region, worker._ranks_holding = object(), object(), False
+    worker.holder = SimpleNamespace(num_pending=lambda: pending["held"])
+    worker.loader = SimpleNamespace(num_pending=lambda: 0)
+    worker.get_finished()
+    pending["held"] = 0
+    worker.get_finished()
+    worker.get_finished()
+    assert [c for c in ranks.calls if c[0] == "kv_poll"] == [("kv_poll", [(True,), (True,)]),
+                                                             ("kv_poll", [(False,), (False,)])]

@@ -208,3 +208,35 @@ def test_shutdown_stops_p_s_progress_thread_even_while_it_holds_grants(make_work
     started = time.monotonic()
     p.shutdown()
     assert not p._progress_thread.is_alive() and time.monotonic() - started < 1.0
+
+
+def test_a_p_rank_progresses_its_agent_while_rank_0_holds_grants(monkeypatch):
+    """A tensor-parallel P's rank 1 (RankReader): a READ UCX can only emulate (TCP) completes while the
+    rank is told rank 0 holds grants and is never polled again (P inside a long step), because its own
+    thread progresses its agent; the thread stops at deregister. Before, that READ waited for P's next
+    step."""
+    from pdserve.kv_transfer.nixl_tp import RankReader
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    p_cache = torch.arange(torch.zeros(KV_SHAPE).numel(), dtype=torch.float32).reshape(KV_SHAPE)
+    heads = 2 * KV_SHAPE[4]
+    p_rank = RankReader.create("p-rank1-progress", False, 1, 2, heads, progress_while_holding=True)
+    d_rank = RankReader.create("d-rank1-progress", False, 1, 2, heads)
+    try:
+        entry = p_rank.register(p_cache)
+        d_rank.register(torch.zeros(KV_SHAPE))
+        d_rank.connect("P:boot", [{}, entry])   # rank 1 reads P's rank 1 only
+        p_rank.poll(holding=True)               # rank 0's last poll before its long step
+        for blocks in ([1, 2], [3, 4, 5]):
+            read_id, state, _ = d_rank.post("P:boot", [7, 8, 9][:len(blocks)], blocks)
+            deadline = time.monotonic() + 3.0
+            while (state := d_rank.poll()[read_id]) == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert state == "DONE"
+            assert torch.equal(d_rank.kv_cache[[7, 8, 9][:len(blocks)]], p_cache[blocks])
+            d_rank.release(read_id)
+    finally:
+        d_rank.disconnect("P:boot", keep_first=False)
+        d_rank.deregister()
+        started = time.monotonic()
+        p_rank.deregister()
+        assert not p_rank._progress_thread.is_alive() and time.monotonic() - started < 1.0
