@@ -97,12 +97,47 @@ def test_pd_across_two_nodes_answers_token_identical_to_colocated(pools):
     assert cluster["decisions"]["disaggregated"] >= len(CHATS)
 
 
-def test_a_killed_instance_actor_is_dropped_and_replaced(pools):
+def stream_chat(url: str, text: str, max_tokens: int, events: list, started: threading.Event) -> None:
+    """A streamed chat; every SSE data line into events, `started` set at the first one."""
+    body = {"model": "default", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip().decode())
+                    started.set()
+    except Exception as e:   # (the test asserts what the client saw)
+        events.append(f"client error: {type(e).__name__}: {e}")
+    finally:
+        started.set()
+
+
+def test_a_killed_instance_actor_is_dropped_and_replaced_and_its_stream_ends_cleanly(pools):
     before = {i["name"]: i for i in status(pools)["instances"]}
     decode = next(i for i in before.values() if i["role"] == "decode")
+    prefill = next(i for i in before.values() if i["role"] == "prefill")
+    events: list[str] = []
+    started = threading.Event()
+    streaming = threading.Thread(target=stream_chat, args=(pools["url"], CHATS[1], 400, events, started))
+    streaming.start()
+    assert started.wait(60) and events and not events[0].startswith("client error"), events
     ray.kill(ray.get_actor(f"pdserve-{decode['name']}", namespace=NAMESPACE), no_restart=True)
     # Its server dies with it (PR_SET_PDEATHSIG), the router stops sending to it, a new D takes its place.
     assert wait_until(lambda: not os.path.exists(f"/proc/{decode['pid']}"), timeout=15)
+    # The stream in flight on it ends cleanly within the router's deadlines: no other D or colocated
+    # instance to resume it on, so an error event and [DONE], never a hang or a cut connection.
+    streaming.join(timeout=60)
+    assert not streaming.is_alive(), "the stream did not end after its D was killed"
+    assert events[-1] == "[DONE]", events[-3:]
+    assert any('"error"' in e for e in events), events[-3:]
+    # P holds nothing for it: D's "done", or its lease (8 s here) if D died mid-READ.
+    def p_holds_nothing() -> bool:
+        with urllib.request.urlopen(prefill["url"] + "/metrics", timeout=10) as r:
+            return "pdserve:num_blocks_held_for_transfer 0.0" in r.read().decode()
+    assert wait_until(p_holds_nothing, timeout=20)
     assert wait_until(lambda: ray.get(pools["controller"].ready.remote())
                       and decode["name"] not in {i["name"] for i in status(pools)["instances"]}, timeout=180)
     after = [i for i in status(pools)["instances"] if i["role"] == "decode"]
