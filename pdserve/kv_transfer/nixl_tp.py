@@ -283,6 +283,15 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
     def _call(self, op: str, per_rank_args: list[tuple] | None = None) -> list[Any]:
         return self.ranks.call(op, per_rank_args) if self.ranks is not None else []
 
+    def start_load_kv(self, meta: Any) -> None:
+        super().start_load_kv(meta)
+        # Grants begin here, before the step goes to the ranks: tell them now, not after that step (a
+        # READ arriving during it would wait the step out on ranks 1..T-1).
+        if (self._progress_thread is not None and not self._ranks_holding and self.ranks is not None
+                and self._region is not None and self.holder.num_pending()):
+            self._call("kv_poll", [(True,)] * (self.tp_size - 1))
+            self._ranks_holding = True
+
     def _register(self, kv_cache: torch.Tensor) -> tuple[dict[str, Any], bytes]:
         fields, blob = super()._register(kv_cache)
         fields["tp_ranks"] = self._call("kv_register")   # ranks 1..T-1

@@ -84,11 +84,12 @@ class StoreClient:
             self.boot_id = boot_id
             self._degraded_until = float("-inf")
 
-    def _forget_boot(self, boot_id: str | None) -> None:
-        """The store said boot_id is gone: compare and clear (a newer boot set meanwhile stays)."""
+    def forget_boot(self, boot_id: str | None, why: str = "restarted") -> None:
+        """boot_id is gone (the store said so, or its pool did): compare and clear (a newer boot set
+        meanwhile stays)."""
         with self._lock:
             if boot_id is not None and self.boot_id == boot_id:
-                logger.warning("the KV store at %s:%d restarted: handshaking again", *self.address)
+                logger.warning("the KV store at %s:%d %s: handshaking again", *self.address, why)
                 self.boot_id = None
 
     def _request(self, message: dict[str, Any], blob: bytes = b"",
@@ -104,7 +105,7 @@ class StoreClient:
         if not reply.get("ok"):
             self.num_errors += 1
             if reply.get("error") == "stale_boot":
-                self._forget_boot(message.get("boot_id"))
+                self.forget_boot(message.get("boot_id"))
             raise StoreError(f"the KV store refused {message.get('type')}: {reply.get('error')}")
         return reply, reply_blob
 

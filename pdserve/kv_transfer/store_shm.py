@@ -8,29 +8,43 @@ another process's host memory has no zero-copy path in UCX at all: it is emulate
 process.
 
 The store (`SharedPool`) allocates the pool in an anonymous memory file (memfd): nothing under /dev/shm
-to leak when the store is killed, and no /dev/shm size limit. Its handshake reply names the file as
-/proc/<store pid>/fd/<fd> with the host's boot id. A client (`attach`) on the same host opens that path,
-which the kernel allows to the store's own user only (the same check as ptrace's read access, the access
-CMA already needs), maps the file and checks the header the store wrote (a magic word and the store's
-boot id) so that a reused pid or fd is never mistaken for the pool. Anything that does not work (another
-host, another user, another pid namespace, a CUDA host registration that fails) leaves the client on
-NIXL, which the store keeps registered for clients elsewhere.
+to leak when the store is killed, and no /dev/shm size limit. The file is sealed against shrinking and
+growing, so no opener can truncate it under a mapping (every access past the end would be a SIGBUS). Its
+handshake reply names it as /proc/<store pid>/fd/<fd> with the host's boot id. A client (`attach`) on
+the same host checks, before anything touches the file, that the path is such a link, that it names a
+memfd of the store's name, and that the file carries the seals; the kernel lets only the store's own user
+open it (the same check as ptrace's read access, the access CMA already needs). The client then reads the
+header the store wrote (a magic word and the store's boot id, which only a client that handshook knows),
+so that a reused pid or fd is never taken for the pool, and maps the file. Anything that does not work
+(another host, another user, another pid namespace, a CUDA host registration that fails) leaves the client
+on NIXL, which the store keeps registered for clients elsewhere.
+
+A client holds the pool's pages for as long as it maps them, store dead or not: `MappedPool.is_current`
+(the path still names the inode mapped) tells the worker half when the store has gone, so that it lets
+the old pool go instead of doubling the host's memory when the store comes back.
 
 Trust is unchanged: a client that may WRITE and READ any slot over NIXL may map them.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import re
+import stat
 from typing import Any
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096   # the pool's slots start a page in, so that they stay page-aligned
 MAGIC = b"pdserve-kv-store pool\n"
+MEMFD_NAME = "pdserve-kv-store"
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_PROC_FD = re.compile(r"^/proc/[0-9]+/fd/[0-9]+$")
 
 
 def host_id() -> str:
@@ -46,20 +60,28 @@ def _header(boot_id: str) -> bytes:
     return MAGIC + boot_id.encode() + b"\n"
 
 
+def _bytes_view(mapping: mmap.mmap, offset: int, count: int) -> torch.Tensor:
+    """A uint8 tensor over mapping[offset:offset + count]. Through numpy, whose view holds the mapping's
+    buffer export: mmap.close() then refuses (BufferError) while a view lives, instead of unmapping
+    pages a tensor still points at."""
+    return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8, count=count, offset=offset))
+
+
 class SharedPool:
     """The store's side: num_bytes of slots in a memory file, touched (resident) before the first client."""
 
     def __init__(self, num_bytes: int, boot_id: str) -> None:
-        self._fd = os.memfd_create("pdserve-kv-store", os.MFD_CLOEXEC)
+        self._fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self._fd, HEADER_BYTES + num_bytes)
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
             self._map = mmap.mmap(self._fd, HEADER_BYTES + num_bytes)
         except Exception:
             os.close(self._fd)
             raise
         header = _header(boot_id)
         self._map[:len(header)] = header
-        self.slots = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER_BYTES, count=num_bytes)
+        self.slots = _bytes_view(self._map, HEADER_BYTES, num_bytes)
         self.slots.zero_()
 
     def describe(self) -> dict[str, Any]:
@@ -70,7 +92,7 @@ class SharedPool:
         self.slots = None
         try:
             self._map.close()
-        except BufferError:   # a tensor view is still alive somewhere: the mapping goes with it
+        except BufferError:   # a view still lives (a NIXL registration's tensor): unmapped when it goes
             pass
         os.close(self._fd)
 
@@ -82,22 +104,30 @@ def attach(description: Any, boot_id: str, num_slots: int, block_bytes: int,
         return None   # no shared memory offered, or another host
     size = HEADER_BYTES + num_slots * block_bytes
     try:
-        if not isinstance(description.get("path"), str) or description.get("bytes") != size:
+        path = description.get("path")
+        if not isinstance(path, str) or not _PROC_FD.match(path):
+            raise ValueError(f"{path!r} is not a /proc/<pid>/fd/<fd> link")
+        if os.readlink(path) != f"/memfd:{MEMFD_NAME} (deleted)":   # before anything opens what it names
+            raise ValueError(f"{path} is not the store's memory file")
+        if description.get("bytes") != size:
             raise ValueError(f"a pool of {description.get('bytes')} bytes, expected {size}")
-        fd = os.open(description["path"], os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"the file has {os.fstat(fd).st_size} bytes, expected {size}")
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                raise ValueError(f"the file has {info.st_size} bytes, expected {size}")
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:   # (EINVAL: not a memfd at all)
+                raise ValueError("the file is not sealed against resizing")
+            header = _header(boot_id)
+            if os.pread(fd, len(header), 0) != header:
+                raise ValueError("the file is not this store's pool (its header names another store)")
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
-        header = _header(boot_id)
-        if mapping[:len(header)] != header:
-            mapping.close()
-            raise ValueError("the file is not this store's pool (its header names another store)")
-        return MappedPool(mapping, num_slots, block_bytes, kv_cache)
+        return MappedPool(mapping, path, (info.st_dev, info.st_ino), num_slots, block_bytes, kv_cache)
     except Exception as e:
-        logger.info("KV store: its pool is not mapped here, KV moves over NIXL: %s: %s", type(e).__name__, e)
+        logger.warning("KV store: its pool on this host is not mapped here, KV moves over NIXL (slower): "
+                       "%s: %s", type(e).__name__, e)
         return None
 
 
@@ -121,20 +151,30 @@ class MappedPool:
     """The client's side: the pool's slots as a [num_slots, block_bytes] tensor beside this instance's KV
     cache as [num_blocks, block_bytes]; a transfer is one copy per run of blocks."""
 
-    def __init__(self, mapping: mmap.mmap, num_slots: int, block_bytes: int, kv_cache: torch.Tensor) -> None:
-        self._map = mapping
-        self._slots = torch.frombuffer(mapping, dtype=torch.uint8, offset=HEADER_BYTES,
-                                       count=num_slots * block_bytes).view(num_slots, block_bytes)
+    def __init__(self, mapping: mmap.mmap, path: str, inode: tuple[int, int], num_slots: int, block_bytes: int,
+                 kv_cache: torch.Tensor) -> None:
+        self._map, self._path, self._inode = mapping, path, inode
+        self._slots = _bytes_view(mapping, HEADER_BYTES, num_slots * block_bytes).view(num_slots, block_bytes)
         self._blocks = kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], block_bytes)
         self._stream = self._registered = None
         if kv_cache.is_cuda:
             # Pinned for the GPU, DMA runs at the link's speed; pageable copies are staged by the driver.
-            err = torch.cuda.cudart().cudaHostRegister(self._slots.data_ptr(), self._slots.numel(), 1)  # portable
-            if int(err) != 0:
-                self.close()
-                raise RuntimeError(f"cudaHostRegister of the pool failed: {err}")
-            self._registered = self._slots.data_ptr()
-            self._stream = torch.cuda.Stream(device=kv_cache.device)
+            # (On this thread too the cache's device, not a context on GPU 0.)
+            with torch.cuda.device(kv_cache.device):
+                err = torch.cuda.cudart().cudaHostRegister(self._slots.data_ptr(), self._slots.numel(), 1)
+                if int(err) != 0:   # (1: portable, pinned for every GPU)
+                    self.close()
+                    raise RuntimeError(f"cudaHostRegister of the pool failed: {err}")
+                self._registered = self._slots.data_ptr()
+                self._stream = torch.cuda.Stream(device=kv_cache.device)
+
+    def is_current(self) -> bool:
+        """The store still holds the file this maps (it died, or restarted, otherwise)."""
+        try:
+            info = os.stat(self._path)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self._inode
 
     def copy(self, op: str, runs: list[tuple[int, int, int]]) -> CopyHandle:
         """READ: slots → local blocks; WRITE: local blocks → slots. runs: (local start, slot start, blocks)."""
@@ -170,5 +210,5 @@ class MappedPool:
         self._slots = self._blocks = None
         try:
             self._map.close()
-        except BufferError:
+        except BufferError:   # a view still lives: the pages go when it does, never under it
             pass

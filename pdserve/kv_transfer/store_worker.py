@@ -40,6 +40,7 @@ from pdserve.kv_transfer.transport_worker import (Histogram, Region, coalesce, c
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_RETRY_S = 2.0
+POOL_CHECK_S = 1.0   # how often a client that maps the pool checks the store still holds it
 
 
 @dataclass
@@ -75,6 +76,8 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._store: Region | None = None           # the pool, as the handshake described it
         self._store_agent: str | None = None        # connected over NIXL ...
         self._mapped: MappedPool | None = None      # ... or the pool mapped here
+        self._pool_checked_at = 0.0
+        self._closed = False
         self._insert_ttl_s = 0.0
         self._handshake: Future | None = None
         self._handshake_at = float("-inf")
@@ -105,8 +108,8 @@ class StoreConnectorWorker(KVConnectorWorker):
             try:
                 reply, blob = handshake.result()
                 region = reply["region"]
-                mapped = attach(reply.get("shared_memory"), reply["boot_id"], region["num_blocks"],
-                                region["block_bytes"], self._kv_cache)
+                mapped = None if self._closed else attach(reply.get("shared_memory"), reply["boot_id"],
+                                                          region["num_blocks"], region["block_bytes"], self._kv_cache)
                 result.set_result((reply, blob, mapped))
             except Exception as e:
                 result.set_exception(e)
@@ -117,6 +120,12 @@ class StoreConnectorWorker(KVConnectorWorker):
 
     def _advance_handshake(self) -> None:
         if self.client.is_ready and self._store is not None:
+            if self._mapped is not None and time.monotonic() - self._pool_checked_at >= POOL_CHECK_S:
+                # An idle client hears of no restart (no reply says stale_boot), and the pages it maps
+                # outlive the store: let them go once the store no longer holds them.
+                self._pool_checked_at = time.monotonic()
+                if not self._mapped.is_current():
+                    self.client.forget_boot(self.client.boot_id, "is gone (its pool with it)")
             return
         if self._store is not None:   # the store restarted: once nothing moves to or from the old one
             if self._loads or any(i.handle is not None for i in self._inserts.values()):
@@ -358,6 +367,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         }
 
     def shutdown(self) -> None:
+        self._closed = True   # a handshake still under way maps nothing more
         deadline = time.monotonic() + 5.0
         while (self._loads or self._inserts) and time.monotonic() < deadline:
             self.get_finished()
@@ -366,6 +376,10 @@ class StoreConnectorWorker(KVConnectorWorker):
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
+        if self._handshake is not None and self._handshake.done() and self._handshake.exception() is None:
+            _, _, mapped = self._handshake.result()   # (mapped before shutdown began, never taken)
+            if mapped is not None:
+                mapped.close()
         if self._reg_descs is not None:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None

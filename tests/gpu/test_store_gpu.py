@@ -49,11 +49,14 @@ def test_kv_in_vram_goes_through_the_store_exactly(shared_memory):
         assert lookup(b_sched, b_worker, request) == (len(prompt), True)
         b_blocks = list(range(20, 61))
         b_sched.update_state_after_alloc(request, b_blocks, len(prompt))
+        if shared_memory:   # the copy is ordered after the engine's work on its stream, and not DONE before
+            torch.cuda._sleep(2_000_000_000)   # ~1 s of GPU time on the engine's stream
         b_worker.start_load_kv(b_sched.build_connector_meta(None))
+        if shared_memory:
+            assert "r" not in b_worker.get_finished()[1]
         step_until([b_worker], lambda s, r: "r" in r)
         assert b_worker.get_block_ids_with_load_errors() == set()
-        torch.cuda.synchronize()
-        assert torch.equal(b_kv[20:60], a_kv[3:43])
+        assert torch.equal(b_kv[20:60], a_kv[3:43])   # (no synchronize: DONE means the copy has ended)
         assert b_worker.get_stats()["kv_store_shared_memory"] == int(shared_memory)
         assert_idle(server, a_worker, b_worker)
     finally:

@@ -4,6 +4,7 @@ ran out, a store that restarted or is down, an insert that never lands) ends in 
 wrong KV. Every test ends with both workers idle."""
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -227,6 +228,7 @@ def test_a_restarted_store_is_a_miss_and_the_client_connects_again(store, instan
         assert torch.equal(restarted._buffer[:2 * BLOCK_BYTES].view(torch.float32).view(2, *KV_SHAPE[1:]),
                            kv[1:3])   # written into the new boot's pool, not the old one's
         assert worker.get_stats()["kv_store_shared_memory"] == int(server.shared_memory)
+        assert len(pool_inodes()) == int(server.shared_memory)   # the old boot's pool let go
         assert_idle(restarted, worker)
     finally:
         restarted.close()
@@ -416,28 +418,75 @@ def test_a_client_on_the_stores_host_maps_the_pool_and_copies(store, instance):
     assert loader["kv_store_loaded_blocks_total"] == 2 and storer["kv_store_inserted_blocks_total"] == 2
 
 
-@pytest.mark.parametrize("offer", ["a file that is not the pool", "another host", "a path that does not open"])
+def pool_inodes() -> set[str]:
+    """The inodes of the store pools this process maps (the tests' stores run in it too)."""
+    with open("/proc/self/maps") as f:
+        return {line.split()[4] for line in f if "memfd:pdserve-kv-store" in line}
+
+
+@pytest.mark.parametrize("offer", ["a regular file", "a link that does not resolve", "another store's pool",
+                                   "another host"])
 def test_a_pool_the_client_cannot_map_leaves_it_on_nixl(store, instance, monkeypatch, tmp_path, offer):
-    """What the store offers is checked before it is used: a file of the pool's size whose header names no
-    store of this boot (a reused pid or fd), another host's boot id, or a path this user cannot open."""
+    """What the store offers is checked before anything opens it: a path that is not a /proc/<pid>/fd/<fd>
+    link to the store's memory file, a link that does not resolve, a pool whose header names another
+    store (a reused pid or fd), another host's boot id."""
     server = store()
     if not server.shared_memory:
         pytest.skip("about a pool in shared memory")
     describe = SharedPool.describe
+    others = []
 
     def offered(pool):
         description = describe(pool)
         if offer == "another host":
             return {**description, "host": "another-boot-id"}
-        if offer == "a path that does not open":
-            return {**description, "path": str(tmp_path / "missing")}
-        impostor = tmp_path / "impostor"
-        impostor.write_bytes(b"\0" * description["bytes"])
-        return {**description, "path": str(impostor)}
+        if offer == "a link that does not resolve":
+            return {**description, "path": f"/proc/{os.getpid()}/fd/999999"}
+        if offer == "a regular file":
+            impostor = tmp_path / "impostor"
+            impostor.write_bytes(b"\0" * description["bytes"])
+            return {**description, "path": str(impostor)}
+        other = SharedPool(description["bytes"] - 4096, "another-store-boot")
+        others.append(other)
+        return {**description, "path": describe(other)["path"]}
 
     monkeypatch.setattr(SharedPool, "describe", offered)
-    loader, storer = load_stored_prompt(server, instance)
+    try:
+        loader, storer = load_stored_prompt(server, instance)
+    finally:
+        for other in others:
+            other.close()
     assert loader["kv_store_shared_memory"] == storer["kv_store_shared_memory"] == 0
+
+
+def test_no_one_can_resize_the_pool_under_its_mappings(store, instance):
+    """A file that shrank under a mapping makes every access past its end a SIGBUS: the pool is sealed."""
+    server = store()
+    if not server.shared_memory:
+        pytest.skip("about a pool in shared memory")
+    instance(server)
+    fd = os.open(server._shared.describe()["path"], os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 4096)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 1 << 30)
+    finally:
+        os.close(fd)
+
+
+def test_a_client_lets_a_dead_stores_pool_go(store, instance):
+    """An idle client hears no stale_boot: before, it kept the dead store's pool mapped (and pinned, on a
+    GPU) until some exchange failed, and a store started again doubled the host's memory."""
+    server = store()
+    if not server.shared_memory:
+        pytest.skip("about a pool in shared memory")
+    sched, worker, kv = instance(server)
+    assert worker.get_stats()["kv_store_shared_memory"] == 1 and pool_inodes()
+    server.close()
+    wait_for(lambda: (worker.get_finished(), worker.get_stats()["kv_store_shared_memory"] == 0)[1],
+             "the client to let the pool go", timeout=5)
+    assert not sched.client.is_ready and not pool_inodes()
 
 
 def test_a_store_with_other_ucx_tcp_segments_is_refused_naming_both_unless_mapped(store, instance, monkeypatch):

@@ -98,3 +98,17 @@ def test_rank_0_tells_the_ranks_whether_p_holds_grants_and_once_that_it_no_longe
     worker.get_finished()
     assert [c for c in ranks.calls if c[0] == "kv_poll"] == [("kv_poll", [(True,), (True,)]),
                                                              ("kv_poll", [(False,), (False,)])]
+
+
+def test_the_ranks_hear_of_p_s_first_grant_before_the_step_it_came_with(monkeypatch):
+    """Grants begin in start_load_kv, before the step goes to the ranks: they are told then, not after
+    that step (a READ arriving during it would have waited it out on ranks 1..T-1)."""
+    from pdserve.kv_transfer.pull_worker_common import PullConnectorWorker as Common
+    monkeypatch.setattr(Common, "start_load_kv", lambda self, meta: None)
+    ranks = FakeRanks()
+    worker = bare_worker(ranks)
+    worker._progress_thread, worker._region, worker._ranks_holding = object(), object(), False
+    worker.holder = SimpleNamespace(num_pending=lambda: 1)
+    worker.start_load_kv(None)
+    worker.start_load_kv(None)   # told once
+    assert [c for c in ranks.calls if c[0] == "kv_poll"] == [("kv_poll", [(True,), (True,)])]
