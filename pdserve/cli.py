@@ -267,9 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     store = sub.add_parser("kv-store", help="a KV block pool shared by instances (--kv-connector store)",
                            description="A pool of KV blocks keyed by the prefix cache's chained block hash, "
                                        "with LRU eviction: P instances insert their prompts' blocks, any "
-                                       "instance loads the longest stored prefix of a prompt. Data moves "
-                                       "by NIXL between the instances and the pool's memory; control over "
-                                       "a small side channel on --host:--port.")
+                                       "instance loads the longest stored prefix of a prompt. Instances on "
+                                       "this host map the pool (shared memory) and copy; others move KV by "
+                                       "NIXL. Control goes over a small side channel on --host:--port.")
     add_kv_store_arguments(store)
     store.add_argument("--router-key", default=os.environ.get(ROUTER_KEY_ENV),
                        help=f"the cluster's secret (default: ${ROUTER_KEY_ENV}): every message must be signed "
