@@ -11,8 +11,9 @@ default model, each instance on its own core. Per connector and prompt length: o
 --repeats timed ones (random token ids, max_tokens 4, ignore_eos, streamed): TTFT as the client sees it,
 and the handoff's own time per request from the instances' kv_transfer_seconds histograms (D times a pull's
 READ, P a push's WRITE; a store handoff is two transfers, P's WRITE into the pool and D's READ from it, and
-its time is their sum; `store` maps the pool where it runs on the store's host, as here, and `store-nixl` is
-the same store started with --no-shared-memory, so that its KV moves over NIXL). Outputs are compared token by
+its time is their sum; `store` maps the pool where it runs on the store's host, as here, `store-nixl` is
+the same store started with --no-shared-memory, so that its KV moves over NIXL, and `store-vram` keeps the
+pool in P's GPU, --pool-device cuda). Outputs are compared token by
 token between the connectors. Prints and saves JSON.
 --concurrency C keeps C requests in flight (a closed loop; under load): TTFT p50 and p90, requests per
 second, and the handoff's time per request then include the queueing that load brings.
@@ -133,7 +134,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed requests per prompt length")
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests in flight at once (1: one at a time; more: under load, a closed loop)")
-    p.add_argument("--connectors", default="nixl,nixl-push", help="any of nixl, nixl-push, cuda_ipc, store, store-nixl")
+    p.add_argument("--connectors", default="nixl,nixl-push", help="any of nixl, nixl-push, cuda_ipc, store, store-nixl, store-vram")
     p.add_argument("--store-capacity", default="4GiB", help="the kv-store's pool (store)")
     p.add_argument("--gpus", default="0,1", help="P's and D's GPU (cuda)")
     p.add_argument("--tp-pairs", default="1:1", help="P:D tensor-parallel sizes to measure, e.g. 1:1,2:2,2:1,1:2")
@@ -169,11 +170,12 @@ def main() -> None:
         children = []
         try:
             pin = lambda core: ["--cpu-cores", core] if args.device == "cpu" else []  # noqa: E731
-            is_store = connector in ("store", "store-nixl")
+            is_store = connector in ("store", "store-nixl", "store-vram")
             kv = ["--kv-connector", "store" if is_store else connector]
             if is_store:
-                store = child(["kv-store", "--capacity", args.store_capacity]
-                              + (["--no-shared-memory"] if connector == "store-nixl" else []), None, log_dir, "kv-store")
+                flags = {"store-nixl": ["--no-shared-memory"], "store-vram": ["--pool-device", "cuda"]}
+                store = child(["kv-store", "--capacity", args.store_capacity] + flags.get(connector, []),
+                              gpu_p if connector == "store-vram" else None, log_dir, "kv-store")
                 children.append(store)
                 wait_listening(store.port)
                 kv += ["--kv-store", f"127.0.0.1:{store.port}"]

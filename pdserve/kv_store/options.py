@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a lookup's blocks stay pinned this long unless released (a crashed reader's pins go then)")
     p.add_argument("--insert-ttl-seconds", type=float, default=DEFAULT_INSERT_TTL_S,
                    help="slots given to a writer are reused this long after, if it never commits")
+    p.add_argument("--pool-device", default="cpu", metavar="cpu|cuda[:N]",
+                   help="where the pool lives: host memory (default), or one GPU's memory, which instances "
+                        "on this host reach GPU to GPU (CUDA IPC through NIXL) instead of through the host")
     p.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
                    help="keep the pool out of shared memory: clients on this host then move KV over NIXL "
                         "(CMA or TCP loopback), a CPU handoff taking 2.4x as long (default: clients on this "

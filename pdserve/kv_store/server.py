@@ -1,7 +1,8 @@
 """`pdserve kv-store`: a KV block pool shared by many instances, keyed by the prefix cache's chained hash.
 
-The pool is one DRAM buffer of --capacity bytes registered with NIXL, cut into slots of one KV block
-each, in shared memory that clients on this host map. Clients (kv_transfer/store.py) move the data themselves: P WRITEs its blocks into slots the store
+The pool is one buffer of --capacity bytes registered with NIXL, cut into slots of one KV block each:
+host memory that clients on this host map (shared memory), or with --pool-device cuda:N one GPU's memory,
+which clients on the host reach by CUDA IPC through NIXL (VRAM to VRAM, never through the host). Clients (kv_transfer/store.py) move the data themselves: P WRITEs its blocks into slots the store
 gave it, D READs slots a lookup found; the store never posts a transfer. Control is the side channel's
 framed request/reply (kv_transfer/side_channel.py), one message each:
 
@@ -73,6 +74,23 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
+def parse_pool_device(text: str) -> torch.device:
+    """cpu, cuda or cuda:N (checked against the GPUs this process sees)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"pool device: cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        index = device.index if device.index is not None else 0
+        if index >= count:
+            raise ValueError(f"pool device {text}: this process sees {count} GPU(s)")
+        device = torch.device("cuda", index)
+    return device
+
+
 def _id(message: dict[str, Any], key: str) -> str:
     value = message.get(key)
     if not isinstance(value, str) or not 0 < len(value) <= 128:
@@ -91,9 +109,11 @@ def _hashes(message: dict[str, Any]) -> list[int]:
 class KVStoreServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, capacity_bytes: int = 1 << 30,
                  lease_s: float = DEFAULT_LEASE_S, insert_ttl_s: float = DEFAULT_INSERT_TTL_S,
-                 auth_key: str | None = None, enable_prog_thread: bool = False, shared_memory: bool = True) -> None:
+                 auth_key: str | None = None, enable_prog_thread: bool = False, shared_memory: bool = True,
+                 pool_device: str = "cpu") -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity: must be > 0 bytes, got {capacity_bytes}")
+        self.pool_device = parse_pool_device(pool_device)
         if lease_s <= 2.0 or insert_ttl_s <= 2.0:
             raise ValueError("lease_s and insert_ttl_s: must be > 2 s (clients keep a margin inside them)")
         self.capacity_bytes, self.lease_s, self.insert_ttl_s = capacity_bytes, lease_s, insert_ttl_s
@@ -106,7 +126,7 @@ class KVStoreServer:
         self.compat_hash: str | None = None
         self.compat: dict[str, Any] | None = None
         self._buffer: torch.Tensor | None = None
-        self.shared_memory = shared_memory
+        self.shared_memory = shared_memory and self.pool_device.type == "cpu"
         self._shared: SharedPool | None = None
         self._reg_descs = None
         self._blob = b""
@@ -133,7 +153,7 @@ class KVStoreServer:
             except (OSError, AttributeError) as e:   # (os.memfd_create: Linux only)
                 logger.warning("kv-store: the pool is not in shared memory, clients use NIXL: %s", e)
         self._buffer = (self._shared.slots if self._shared is not None
-                        else torch.zeros(num_slots * block_bytes, dtype=torch.uint8))
+                        else torch.zeros(num_slots * block_bytes, dtype=torch.uint8, device=self.pool_device))
         self._reg_descs = self.agent.register_memory(self._buffer)
         self._blob = self.agent.get_agent_metadata()
         self.index = index
@@ -142,8 +162,10 @@ class KVStoreServer:
                     num_slots * block_bytes / 2**30)
 
     def _region(self) -> dict[str, Any]:
+        on_gpu = self._buffer.is_cuda
         return {"base_addr": self._buffer.data_ptr(), "num_blocks": self.index.num_slots,
-                "block_bytes": self.block_bytes, "mem_type": "DRAM", "device_id": 0}
+                "block_bytes": self.block_bytes, "mem_type": "VRAM" if on_gpu else "DRAM",
+                "device_id": self._buffer.device.index if on_gpu else 0}
 
     # ---- handlers (side-channel threads) ----------------------------------------------------------
 
@@ -272,7 +294,7 @@ def main(args: argparse.Namespace, auth_key: str | None = None) -> int:
     try:
         capacity = parse_bytes(args.capacity)
         server = KVStoreServer(args.host, args.port, capacity, args.lease_seconds, args.insert_ttl_seconds,
-                               auth_key=auth_key, shared_memory=args.shared_memory)
+                               auth_key=auth_key, shared_memory=args.shared_memory, pool_device=args.pool_device)
     except (ValueError, ImportError, OSError) as e:
         print(f"pdserve kv-store: {e}")
         return 2

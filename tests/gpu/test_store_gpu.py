@@ -1,5 +1,6 @@
 """The store handoff with KV in VRAM: P's WRITE into the pool and D's READ from it, through the pool mapped
-and pinned in each client (copies on a CUDA stream) and over NIXL (UCX's VRAM <-> host path)."""
+and pinned in each client (copies on a CUDA stream), over NIXL (UCX's VRAM <-> host path), and with the
+pool itself in VRAM (--pool-device cuda: CUDA IPC through NIXL)."""
 from __future__ import annotations
 
 import uuid
@@ -22,11 +23,13 @@ KV_SHAPE = (NUM_BLOCKS, 2, 2, BLOCK_SIZE, 2, 64)   # bfloat16: 4 KiB blocks
 
 
 @pytest.mark.skipif(not nixl_available(), reason="needs NIXL")
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "nixl"])
-def test_kv_in_vram_goes_through_the_store_exactly(shared_memory):
+@pytest.mark.parametrize("pool", ["shared-memory", "nixl", "vram"])
+def test_kv_in_vram_goes_through_the_store_exactly(pool):
     from pdserve.kv_store.server import KVStoreServer
     block_bytes = 2 * 2 * BLOCK_SIZE * 2 * 64 * 2
-    server = KVStoreServer("127.0.0.1", 0, 256 * block_bytes, shared_memory=shared_memory)
+    shared_memory = pool == "shared-memory"
+    server = KVStoreServer("127.0.0.1", 0, 256 * block_bytes, shared_memory=shared_memory,
+                           pool_device="cuda" if pool == "vram" else "cpu")
     workers = []
     try:
         def instance():

@@ -5,6 +5,7 @@ wrong KV. Every test ends with both workers idle."""
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 
@@ -374,6 +375,15 @@ def test_malformed_store_messages_are_answered_with_an_error_and_hold_nothing(st
         assert not reply["ok"] and reply["error"], message
         assert time.monotonic() - start < 1.0, message
     assert not server.index.leases and not server.index.inserts
+
+
+def test_a_pool_device_this_process_cannot_use_is_refused_naming_it():
+    import pdserve.kv_store.server as server_module
+    if server_module.torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    for device, words in (("cuda", "sees 0 GPU(s)"), ("cuda:3", "sees 0 GPU(s)"), ("disk", "cpu, cuda or cuda:N")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            KVStoreServer("127.0.0.1", 0, 64 * BLOCK_BYTES, pool_device=device)
 
 
 def test_a_first_handshake_with_absurd_block_bytes_is_refused():
