@@ -183,6 +183,45 @@ def test_scaling_up_and_down_under_load_fails_no_request(pools):
     assert any("drained" in e for e in status(pools)["events"])
 
 
+def router_counter(pools, name: str) -> float:
+    with urllib.request.urlopen(pools["url"] + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(f"pdserve:proxy_{name} "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def test_a_drain_past_its_deadline_hands_its_streams_over_to_another_decode(pools):
+    """Scaling down drains the newest D; a stream on it that outlives the drain (2 s here) is ended there
+    with an error output, and the router resumes it on the other D from the tokens already sent: the
+    client sees one whole stream, no error."""
+    controller = pools["controller"]
+    ray.get(controller.scale.remote(None, 2, None), timeout=30)
+    assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=180), status(pools)
+    recovered = router_counter(pools, "recoveries_total")
+    streams = []
+    for i in range(2):   # round-robin: one on each D
+        events: list[str] = []
+        started = threading.Event()
+        thread = threading.Thread(target=stream_chat, args=(pools["url"], f"{CHATS[i]} ({i})", 300, events, started))
+        thread.start()
+        streams.append((thread, events, started))
+    for _, events, started in streams:
+        assert started.wait(60) and not events[0].startswith("client error"), events
+    ray.get(controller.scale.remote(None, 1, None), timeout=30)
+    for thread, _, _ in streams:
+        thread.join(timeout=180)
+        assert not thread.is_alive()
+    for _, events, _ in streams:
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+        finishes = [json.loads(e)["choices"][0].get("finish_reason") for e in events[:-1]
+                    if json.loads(e).get("choices")]
+        assert finishes[-1] == "length", finishes[-3:]
+    assert wait_until(lambda: ray.get(controller.ready.remote()), timeout=120), status(pools)
+    assert any("drained" in e for e in status(pools)["events"])
+    assert router_counter(pools, "recoveries_total") >= recovered + 1
+
+
 def test_the_autoscaler_shrinks_an_idle_decode_pool_to_its_minimum(pools):
     controller = pools["controller"]
     ray.get(controller.scale.remote(None, 2, None), timeout=30)
