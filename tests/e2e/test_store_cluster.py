@@ -73,6 +73,8 @@ def test_store_handoff_output_identical_to_colocated(cluster):
     expected_blocks = sum(n // BLOCK for n in STORE_LENGTHS)
     assert after["kv_store_loaded_blocks_total"] - before.get("kv_store_loaded_blocks_total", 0) >= expected_blocks
     assert after["kv_transfer_failures_total"] == before.get("kv_transfer_failures_total", 0)
+    # Both on the store's host: they map its pool and copy, not NIXL (--no-shared-memory: the unit tests)
+    assert after["kv_store_shared_memory"] == cluster["prefill"].metrics()["kv_store_shared_memory"] == 1
     assert wait_until(lambda: _idle(cluster["prefill"]) and _idle(decode), timeout=10)
 
 
