@@ -122,7 +122,8 @@ class StoreConnectorWorker(KVConnectorWorker):
         if self.client.is_ready and self._store is not None:
             if self._mapped is not None and time.monotonic() - self._pool_checked_at >= POOL_CHECK_S:
                 # An idle client hears of no restart (no reply says stale_boot), and the pages it maps
-                # outlive the store: let them go once the store no longer holds them.
+                # outlive the store: let them go once the store no longer holds them (num_pending_requests
+                # makes an idle engine step for this).
                 self._pool_checked_at = time.monotonic()
                 if not self._mapped.is_current():
                     self.client.forget_boot(self.client.boot_id, "is gone (its pool with it)")
@@ -341,8 +342,11 @@ class StoreConnectorWorker(KVConnectorWorker):
         return taken
 
     def num_pending_requests(self) -> int:
+        # The handshake, and a due check of the mapped pool, count too: an idle engine steps for them (it
+        # calls get_finished only in a step), so that it notices a dead store and lets its pool go.
+        pool_check_due = self._mapped is not None and time.monotonic() - self._pool_checked_at >= POOL_CHECK_S
         return (len(self._loads) + len(self._inserts) + len(self._finished_sending) + len(self._finished_recving)
-                + (self._handshake is not None))
+                + (self._handshake is not None) + pool_check_due)
 
     def num_blocks_held(self) -> int:
         return (sum(len(i.spec.block_ids) for i in self._inserts.values())

@@ -103,6 +103,11 @@ def test_a_conversation_continues_on_another_instance_with_its_history_from_the_
 def test_a_store_that_dies_costs_recomputes_and_is_used_again_once_back(cluster):
     proxy, colocated, decode, store = cluster["proxy"], cluster["colocated"], cluster["decode"], cluster["store"]
     store.signal(signal.SIGKILL)
+    # Idle instances notice too, and let the dead store's pool go (before, they mapped it and reported
+    # themselves connected until a request came).
+    for name in ("prefill", "decode"):
+        assert wait_until(lambda: cluster[name].metrics().get("kv_store_shared_memory") == 0
+                          and cluster[name].metrics().get("kv_store_connected") == 0, timeout=10), name
     prompt = token_prompt(200, seed=901)
     got = complete(proxy, prompt)
     assert got["choices"][0]["text"] == complete(colocated, prompt)["choices"][0]["text"]

@@ -131,6 +131,7 @@ def lookup(sched, worker, request, num_computed=0, timeout=10.0):
 
 def assert_idle(server, *workers):
     for w in workers:
+        w._advance_handshake()   # (a check of the mapped pool may be due: an engine steps for it)
         assert w.num_pending_requests() == 0
         assert w.num_blocks_held() == 0
     wait_for(lambda: not server.index.leases and not server.index.inserts, "the store's leases to go")
@@ -494,6 +495,7 @@ def test_a_client_lets_a_dead_stores_pool_go(store, instance):
     sched, worker, kv = instance(server)
     assert worker.get_stats()["kv_store_shared_memory"] == 1 and pool_inodes()
     server.close()
+    wait_for(lambda: worker.num_pending_requests() > 0, "the worker to ask an idle engine for a step", timeout=3)
     wait_for(lambda: (worker.get_finished(), worker.get_stats()["kv_store_shared_memory"] == 0)[1],
              "the client to let the pool go", timeout=5)
     assert not sched.client.is_ready and not pool_inodes()
