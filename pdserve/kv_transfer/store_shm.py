@@ -45,6 +45,9 @@ MAGIC = b"pdserve-kv-store pool\n"
 MEMFD_NAME = "pdserve-kv-store"
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _PROC_FD = re.compile(r"^/proc/[0-9]+/fd/[0-9]+$")
+# A client whose KV is in VRAM maps the pool only once the GPU tests have run with it: none was lent in
+# session 46 (2026-12-07), so such a client stays on NIXL, as before.
+CUDA_MAPPING = False
 
 
 def host_id() -> str:
@@ -102,6 +105,8 @@ def attach(description: Any, boot_id: str, num_slots: int, block_bytes: int,
     """The store's pool mapped here, or None (with the reason logged) when this client cannot map it."""
     if not isinstance(description, dict) or not description.get("host") or description["host"] != host_id():
         return None   # no shared memory offered, or another host
+    if kv_cache.is_cuda and not CUDA_MAPPING:
+        return None
     size = HEADER_BYTES + num_slots * block_bytes
     try:
         path = description.get("path")
