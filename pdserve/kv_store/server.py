@@ -2,8 +2,9 @@
 
 The pool is one buffer of --capacity bytes registered with NIXL, cut into slots of one KV block each:
 host memory that clients on this host map (shared memory), or with --pool-device cuda:N one GPU's memory,
-which clients on the host reach by CUDA IPC through NIXL (VRAM to VRAM, never through the host). Clients (kv_transfer/store.py) move the data themselves: P WRITEs its blocks into slots the store
-gave it, D READs slots a lookup found; the store never posts a transfer. Control is the side channel's
+which clients on the host reach by CUDA IPC through NIXL (VRAM to VRAM, never through the host). Clients
+(kv_transfer/store.py) move the data themselves: P WRITEs its blocks into slots the store gave it, D READs
+slots a lookup found; the store never posts a transfer. Control is the side channel's
 framed request/reply (kv_transfer/side_channel.py), one message each:
 
   handshake {compat_hash, compat, block_bytes} → {boot_id, region, insert_ttl_s, lease_s, ucx_tcp_segments,
