@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shlex
 import signal
@@ -18,6 +19,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive free ports (for `pdserve up`: the router's, then one per instance),
+    below the kernel's ephemeral range, so that no free_port() of a test beside it, and no client
+    connection's source port, can take one of them between this check and `up`'s bind."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_start = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, ephemeral_start - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no run of {count} free ports below {ephemeral_start}")
 
 
 # Every Process started and not yet stopped: a module that leaves one running fails (tests/e2e/conftest.py),

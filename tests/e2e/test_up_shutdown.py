@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.e2e.cluster import free_port
+from tests.e2e.cluster import free_port_run
 from tests.e2e.test_server_shutdown import _events, long_stream
 
 
@@ -67,7 +67,7 @@ def test_the_cluster_drains_however_it_is_stopped(tmp_path, how):
     """Ctrl-C (SIGINT to the whole foreground group), also when `up` started with SIGINT ignored (as a
     shell leaves a background job) and pressed twice 0.2 s apart; systemd's stop (SIGTERM to every
     process of the service at once, the router included: aiohttp took the second as an abort)."""
-    port = free_port()
+    port = free_port_run(3)   # a 1P1D cluster: the router's port and the next two
     log = open(tmp_path / "up.log", "w")
     lending_before = _lending_files()
     # Its own session, so that the test can signal its whole group as a terminal does.
