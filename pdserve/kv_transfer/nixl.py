@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -169,6 +169,34 @@ class NixlTransport:
 HOLDING_PROGRESS_S = 0.002   # P: how often its agent is progressed while it holds grants (see below)
 
 
+class ProgressWhileHolding:
+    """A thread that progresses a P's agent every HOLDING_PROGRESS_S while holding() says it holds grants,
+    and sleeps otherwise: what NIXL's own progress thread does for a READ that needs the target's agent,
+    without polling a core while there is nothing to move. The agent must be thread-safe
+    (new_agent(thread_safe=True)); what the progress brings in is dropped (only the claimant's "done" over
+    the side channel ends a grant). Used by a pull P and by each of its tensor-parallel ranks."""
+
+    def __init__(self, agent: Any, name: str, holding: Callable[[], bool]) -> None:
+        self._agent, self._name, self._holding = agent, name, holding
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"nixl-progress-{name}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HOLDING_PROGRESS_S if self._holding() else 0.05):
+            if self._holding():
+                try:
+                    self._agent.get_new_notifs()
+                except Exception as e:   # never let the thread die on a transient binding error
+                    logger.debug("NIXL progress: %s: %s", type(e).__name__, e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=1.0)
+        if self.thread.is_alive():
+            logger.warning("NIXL progress thread of %s still running after 1 s", self._name)
+
+
 class NixlConnectorWorker(NixlTransport, PullConnectorWorker):
     notifies_done = True   # the side channel, not a NIXL notification: see the module docstring
 
@@ -178,32 +206,17 @@ class NixlConnectorWorker(NixlTransport, PullConnectorWorker):
         # path that waits for P's agent (docs/benchmarks.md, session 45), which P's engine progresses only
         # between steps of seconds on CPU. While P holds grants a thread of ours progresses it every
         # HOLDING_PROGRESS_S (the agent is thread-safe for it); idle, it sleeps.
-        self._stop_progress = threading.Event()
-        self._progress_thread = None
-        if self._progresses_while_holding(config):
-            self._progress_thread = threading.Thread(target=self._progress_while_holding, daemon=True,
-                                                     name=f"nixl-progress-{engine_id}")
-            self._progress_thread.start()
+        self._progress = (ProgressWhileHolding(self.agent, engine_id, lambda: self.holder.num_pending() > 0)
+                          if self._progresses_while_holding(config) else None)
 
     def _progresses_while_holding(self, config: KVTransferConfig) -> bool:
         # CPU hosts only for now: where it was measured (P's steps last seconds); on a GPU P's steps last
         # milliseconds, and the GPU tests have not run with it yet (no GPU was left, 2026-12-07).
         return config.is_producer and not config.enable_prog_thread and not torch.cuda.is_available()
 
-    def _progress_while_holding(self) -> None:
-        while not self._stop_progress.wait(HOLDING_PROGRESS_S if self.holder.num_pending() else 0.05):
-            if self.holder.num_pending():
-                try:
-                    self.agent.get_new_notifs()   # (dropped: see _take_notifs)
-                except Exception as e:   # never let the thread die on a transient binding error
-                    logger.debug("NIXL progress: %s: %s", type(e).__name__, e)
-
     def _shutdown_lifecycle(self) -> None:
-        self._stop_progress.set()
-        if self._progress_thread is not None:
-            self._progress_thread.join(timeout=1.0)
-            if self._progress_thread.is_alive():
-                logger.warning("NIXL progress thread of %s still running after 1 s", self.engine_id)
+        if self._progress is not None:
+            self._progress.stop()
         super()._shutdown_lifecycle()
 
     def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:

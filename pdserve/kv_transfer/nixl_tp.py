@@ -37,14 +37,13 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from pdserve.config import KVTransferConfig
-from pdserve.kv_transfer.nixl import (HOLDING_PROGRESS_S, NixlConnectorWorker, new_agent, post_transfer,
+from pdserve.kv_transfer.nixl import (NixlConnectorWorker, ProgressWhileHolding, new_agent, post_transfer,
                                       transfer_state)
 from pdserve.kv_transfer.pull_worker_common import Load, Region, RemoteEngine
 from pdserve.kv_transfer.transport_worker import coalesce, region_of
@@ -109,8 +108,7 @@ class RankReader:
         self._reads: dict[int, _Read] = {}
         self._ids = itertools.count()
         self.holding = False   # a P's rank: rank 0 holds grants (its last poll said so)
-        self._stop_progress = threading.Event()
-        self._progress_thread: threading.Thread | None = None
+        self._progress: ProgressWhileHolding | None = None
 
     @classmethod
     def create(cls, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int,
@@ -118,18 +116,8 @@ class RankReader:
         agent = new_agent(agent_name, enable_prog_thread, "kv_connector nixl", thread_safe=progress_while_holding)
         reader = cls(agent, agent_name, rank, tp_size, num_kv_heads)
         if progress_while_holding:
-            reader._progress_thread = threading.Thread(target=reader._progress_while_holding, daemon=True,
-                                                       name=f"nixl-progress-{agent_name}")
-            reader._progress_thread.start()
+            reader._progress = ProgressWhileHolding(agent, agent_name, lambda: reader.holding)
         return reader
-
-    def _progress_while_holding(self) -> None:
-        while not self._stop_progress.wait(HOLDING_PROGRESS_S if self.holding else 0.05):
-            if self.holding:
-                try:
-                    self.agent.get_new_notifs()   # (a P drops notifications: only the claimant's "done" counts)
-                except Exception as e:   # never let the thread die on a transient binding error
-                    logger.debug("NIXL progress: %s: %s", type(e).__name__, e)
 
     def register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         self.kv_cache = kv_cache
@@ -236,11 +224,8 @@ class RankReader:
             read.staging_reg = read.staging = None
 
     def deregister(self) -> None:
-        self._stop_progress.set()
-        if self._progress_thread is not None:
-            self._progress_thread.join(timeout=1.0)
-            if self._progress_thread.is_alive():
-                logger.warning("NIXL progress thread of %s still running after 1 s", self.agent_name)
+        if self._progress is not None:
+            self._progress.stop()
         for read in self._reads.values():
             try:
                 self._let_go(read)
@@ -278,7 +263,7 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         super().__init__(config, engine_id, compat)
         self.local = RankReader(self.agent, engine_id, 0, self.tp_size, num_kv_heads)
         self._call("kv_init", [(f"{engine_id}-rank{r}", config.enable_prog_thread, r, self.tp_size, num_kv_heads,
-                                self._progress_thread is not None) for r in range(1, self.tp_size)])
+                                self._progress is not None) for r in range(1, self.tp_size)])
 
     def _call(self, op: str, per_rank_args: list[tuple] | None = None) -> list[Any]:
         return self.ranks.call(op, per_rank_args) if self.ranks is not None else []
@@ -287,7 +272,7 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         super().start_load_kv(meta)
         # Grants begin here, before the step goes to the ranks: tell them now, not after that step (a
         # READ arriving during it would wait the step out on ranks 1..T-1).
-        if (self._progress_thread is not None and not self._ranks_holding and self.ranks is not None
+        if (self._progress is not None and not self._ranks_holding and self.ranks is not None
                 and self._region is not None and self.holder.num_pending()):
             self._call("kv_poll", [(True,)] * (self.tp_size - 1))
             self._ranks_holding = True
@@ -385,7 +370,7 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         # One round to the ranks a step, and only while something may be moving: D's READs, or P's blocks
         # under a lease (a READ UCX can only emulate needs the ranks' agents progressed), or to tell the
         # ranks' progress threads that P holds nothing any more.
-        holding = self._progress_thread is not None and self.holder.num_pending() > 0
+        holding = self._progress is not None and self.holder.num_pending() > 0
         if self.ranks is not None and self._region is not None and (
                 self.loader.num_pending() or self.holder.num_pending() or holding != self._ranks_holding):
             self._rank_states = self._call("kv_poll", [(holding,)] * (self.tp_size - 1))

@@ -4,8 +4,8 @@ NIXL transfer.
 Between two processes UCX moves host memory by CMA (4-6 GB/s on the 2-core CPU machine), and VRAM to
 another process's host memory has no zero-copy path in UCX at all: it is emulated over TCP loopback
 (2.1-2.4 GB/s on one H100, docs/benchmarks.md). A client that maps the pool copies it at memory speed
-(15-17 GB/s on the CPU machine), and a CUDA client copies by DMA into the pool's pages, pinned in its own
-process.
+(a store handoff's two copies at 13-19 GB/s against 4-8 over NIXL on the CPU machine, docs/benchmarks.md),
+and a CUDA client copies by DMA into the pool's pages, pinned in its own process.
 
 The store (`SharedPool`) allocates the pool in an anonymous memory file (memfd): nothing under /dev/shm
 to leak when the store is killed, and no /dev/shm size limit. The file is sealed against shrinking and

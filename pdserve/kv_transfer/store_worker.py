@@ -21,6 +21,7 @@ the StoreClient's threads and are polled here, once per step. What each wait is 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._mapped: MappedPool | None = None      # ... or the pool mapped here
         self._pool_checked_at = 0.0
         self._closed = False
+        self._closing = threading.Lock()   # shutdown against a handshake mapping the pool on another thread
         self._insert_ttl_s = 0.0
         self._handshake: Future | None = None
         self._handshake_at = float("-inf")
@@ -110,9 +112,14 @@ class StoreConnectorWorker(KVConnectorWorker):
                 region = reply["region"]
                 mapped = None if self._closed else attach(reply.get("shared_memory"), reply["boot_id"],
                                                           region["num_blocks"], region["block_bytes"], self._kv_cache)
-                result.set_result((reply, blob, mapped))
             except Exception as e:
                 result.set_exception(e)
+                return
+            with self._closing:   # shut down meanwhile: nobody takes the mapping, so it goes here
+                if self._closed and mapped is not None:
+                    mapped.close()
+                    mapped = None
+                result.set_result((reply, blob, mapped))
 
         self.client.handshake({"engine_id": self.engine_id, "compat_hash": self.compat_hash, "compat": self.compat,
                                "block_bytes": self._region.block_bytes}).add_done_callback(map_pool)
@@ -371,7 +378,15 @@ class StoreConnectorWorker(KVConnectorWorker):
         }
 
     def shutdown(self) -> None:
-        self._closed = True   # a handshake still under way maps nothing more
+        with self._closing:   # a handshake still under way maps nothing more, or lets its mapping go
+            self._closed = True
+            handshake = self._handshake
+            if handshake is not None and handshake.done():
+                self._handshake = None
+        if handshake is not None and handshake.done() and handshake.exception() is None:
+            _, _, mapped = handshake.result()   # (mapped before shutdown began, never taken)
+            if mapped is not None:
+                mapped.close()
         deadline = time.monotonic() + 5.0
         while (self._loads or self._inserts) and time.monotonic() < deadline:
             self.get_finished()
@@ -380,10 +395,6 @@ class StoreConnectorWorker(KVConnectorWorker):
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
-        if self._handshake is not None and self._handshake.done() and self._handshake.exception() is None:
-            _, _, mapped = self._handshake.result()   # (mapped before shutdown began, never taken)
-            if mapped is not None:
-                mapped.close()
         if self._reg_descs is not None:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None

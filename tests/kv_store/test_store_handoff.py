@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 import uuid
 
@@ -24,6 +25,7 @@ if not nixl_available():
     pytest.skip("needs NIXL (nixl or nixl_cu13)", allow_module_level=True)
 
 from pdserve.kv_store.server import KVStoreServer  # noqa: E402
+from pdserve.kv_transfer import store_shm  # noqa: E402
 from pdserve.kv_transfer.store_shm import SharedPool  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -517,3 +519,28 @@ def test_a_store_with_other_ucx_tcp_segments_is_refused_naming_both_unless_mappe
         assert (worker._store is not None) == server.shared_memory
     finally:
         worker.shutdown()
+
+
+def test_a_pool_mapped_while_the_instance_shuts_down_is_let_go(store, monkeypatch):
+    """The handshake maps the pool on the store client's thread: a mapping that ends after shutdown began
+    has no one to take it, and was left mapped (and pinned, on a GPU)."""
+    server = store()
+    if not server.shared_memory:
+        pytest.skip("about a pool in shared memory")
+    import pdserve.kv_transfer.store_worker as store_worker
+    may_map, mapping, made = threading.Event(), threading.Event(), []
+
+    def slow_attach(*args):
+        mapping.set()
+        may_map.wait(10)
+        made.append(store_shm.attach(*args))
+        return made[-1]
+    monkeypatch.setattr(store_worker, "attach", slow_attach)
+    config = KVTransferConfig(kv_connector="store", kv_role="both", engine_id="closing",
+                              kv_store=f"127.0.0.1:{server.port}")
+    sched, worker = create_connector(config, BLOCK_SIZE, COMPAT, hash_extra="test")
+    worker.register_kv_caches(torch.zeros(KV_SHAPE))
+    assert mapping.wait(10)            # the handshake answered; the pool is being mapped
+    worker.shutdown()
+    may_map.set()
+    wait_for(lambda: made and made[0] is not None and made[0]._map.closed, "the late mapping to be let go")

@@ -36,7 +36,7 @@ from pdserve.kv_transfer.nixl import NixlConnectorWorker
 from pdserve.kv_transfer.pull import PullConnectorMeta, SendSpec
 p = NixlConnectorWorker(KVTransferConfig(kv_connector="nixl", kv_role="producer", lease_seconds={LEASE},
                                          heartbeat_seconds=0.5), "child-p", {COMPAT!r})
-p._stop_progress.set()   # no thread progresses its agent either: only "progress" and "step" do
+p._progress.stop()   # no thread progresses its agent either: only "progress" and "step" do
 cache = torch.zeros({KV_SHAPE!r})
 for b in range(cache.shape[0]):
     cache[b] = 1.0 + b

@@ -89,7 +89,7 @@ def test_rank_0_tells_the_ranks_whether_p_holds_grants_and_once_that_it_no_longe
     ranks = FakeRanks()
     worker = bare_worker(ranks)
     pending = {"held": 1}
-    worker._progress_thread, worker._region, worker._ranks_holding = object(), object(), False
+    worker._progress, worker._region, worker._ranks_holding = object(), object(), False
     worker.holder = SimpleNamespace(num_pending=lambda: pending["held"])
     worker.loader = SimpleNamespace(num_pending=lambda: 0)
     worker.get_finished()
@@ -107,7 +107,7 @@ def test_the_ranks_hear_of_p_s_first_grant_before_the_step_it_came_with(monkeypa
     monkeypatch.setattr(Common, "start_load_kv", lambda self, meta: None)
     ranks = FakeRanks()
     worker = bare_worker(ranks)
-    worker._progress_thread, worker._region, worker._ranks_holding = object(), object(), False
+    worker._progress, worker._region, worker._ranks_holding = object(), object(), False
     worker.holder = SimpleNamespace(num_pending=lambda: 1)
     worker.start_load_kv(None)
     worker.start_load_kv(None)   # told once

@@ -96,7 +96,7 @@ def test_cancel_before_handshake_completes(make_worker):
 def test_cancel_in_flight_reports_once_after_read(make_worker, monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp,self")   # an emulated READ: in flight until P's agent progresses
     p = make_worker("producer")
-    p._stop_progress.set()   # (and P's progress thread does not do it)
+    p._progress.stop()   # (and P's progress thread does not do it)
     d = make_worker("consumer")
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-warm", [0]), SendSpec("p-req", [3, 4])]))
     d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec("warm", p, [0], [0], "p-warm")]))
@@ -150,7 +150,7 @@ def two_handoffs_the_second_stepping_only_d(make_worker, p_progress_thread: bool
     p_cache = torch.arange(torch.zeros(KV_SHAPE).numel(), dtype=torch.float32).reshape(KV_SHAPE)
     p, d = make_worker("producer", kv_cache=p_cache.clone()), make_worker("consumer")
     if not p_progress_thread:
-        p._stop_progress.set()
+        p._progress.stop()
     for n, blocks in enumerate(([1, 2], [3, 4, 5])):
         p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec(f"p{n}", blocks)]))
         d.start_load_kv(PullConnectorMeta(reqs_to_recv=[recv_spec(f"d{n}", p, [7, 8, 9][:len(blocks)], blocks,
@@ -204,10 +204,10 @@ def test_shutdown_stops_p_s_progress_thread_even_while_it_holds_grants(make_work
     p = make_worker("producer")
     p.start_load_kv(PullConnectorMeta(reqs_to_send=[SendSpec("p-req", [3, 4])]))
     poll([p], lambda s, r: p.holder.num_pending() == 1)
-    assert p._progress_thread is not None and p._progress_thread.is_alive()   # (CPU host: it runs)
+    assert p._progress is not None and p._progress.thread.is_alive()   # (CPU host: it runs)
     started = time.monotonic()
     p.shutdown()
-    assert not p._progress_thread.is_alive() and time.monotonic() - started < 1.0
+    assert not p._progress.thread.is_alive() and time.monotonic() - started < 1.0
 
 
 def test_a_p_rank_progresses_its_agent_while_rank_0_holds_grants(monkeypatch):
@@ -239,4 +239,4 @@ def test_a_p_rank_progresses_its_agent_while_rank_0_holds_grants(monkeypatch):
         d_rank.deregister()
         started = time.monotonic()
         p_rank.deregister()
-        assert not p_rank._progress_thread.is_alive() and time.monotonic() - started < 1.0
+        assert not p_rank._progress.thread.is_alive() and time.monotonic() - started < 1.0
