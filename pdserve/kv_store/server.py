@@ -22,6 +22,7 @@ framed request/reply (kv_transfer/side_channel.py), one message each:
       the blocks P announced before P's commit has necessarily arrived. The client asks again until its
       own deadline.
   release {lease_id, drop} → {valid}                    drop: free the blocks now (seed 002's drop_select)
+  ping → {}                                             an idle client's liveness check (stale_boot if restarted)
   stats → the index's counters
 The client names its inserts and leases: one whose answer it never got (a store that stalled) it can still
 abort or release, and an abort or release that overtakes its insert or lookup leaves a tombstone.
@@ -135,7 +136,7 @@ class KVStoreServer:
         self._server = side_channel.SideChannelServer(host, port, {
             "handshake": self._on_handshake, "insert": self._on_insert, "commit": self._on_end_insert,
             "abort": self._on_end_insert, "lookup": self._on_lookup, "release": self._on_release,
-            "stats": self._on_stats}, key=auth_key, max_connections=MAX_CONNECTIONS)
+            "stats": self._on_stats, "ping": self._on_ping}, key=auth_key, max_connections=MAX_CONNECTIONS)
         self.host, self.port = host, self._server.port
         self._progress = threading.Thread(target=self._progress_loop, name="pdserve-kv-store-progress", daemon=True)
         self._progress.start()
@@ -192,6 +193,11 @@ class KVStoreServer:
         if self.index is None or message.get("boot_id") != self.boot_id:
             return {"ok": False, "error": "stale_boot"}
         return None
+
+    def _on_ping(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        """An idle client's question: are you still the boot I handshook with?"""
+        with self._lock:
+            return self._refusal(message) or {"ok": True}, b""
 
     def _on_insert(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         hashes, insert_id = _hashes(message), _id(message, "insert_id")

@@ -68,6 +68,7 @@ class StoreClient:
         self.boot_id: str | None = None      # set by the worker half once its handshake is done
         self._degraded_until = float("-inf")
         self.num_errors = 0
+        self.last_answer_at = float("-inf")   # monotonic: the store's last reply, of any kind
         self.num_lookups = self.num_hits = 0   # the scheduler half's, reported by the worker half
 
     @property
@@ -102,6 +103,7 @@ class StoreClient:
                 self._degraded_until = time.monotonic() + DEGRADED_S
             raise StoreUnreachable(f"the KV store at {self.address[0]}:{self.address[1]} did not answer "
                                    f"({type(e).__name__}: {e})") from None
+        self.last_answer_at = time.monotonic()
         if not reply.get("ok"):
             self.num_errors += 1
             if reply.get("error") == "stale_boot":
@@ -121,6 +123,10 @@ class StoreClient:
 
     def handshake(self, message: dict[str, Any]) -> Future:
         return self._submit(self._control_pool, self._request, {"type": "handshake", **message})
+
+    def ping(self, boot_id: str) -> Future:
+        """Future[None]: the store answers and still runs boot_id (a refusal forgets it, see _request)."""
+        return self._submit(self._control_pool, lambda: self._request({"type": "ping", "boot_id": boot_id}) and None)
 
     def insert(self, boot_id: str, hashes: list[int]) -> tuple[str, Future]:
         """(insert id, Future[reply with slots]); an insert whose answer never came is aborted by name."""

@@ -17,6 +17,9 @@ the StoreClient's threads and are polled here, once per step. What each wait is 
               store reuses the slots after its TTL); finished_sending comes once nothing writes from the
               request's blocks, whatever the outcome: a failed insert costs a later reader a recompute,
               never an error
+  liveness    an idle client checks every POOL_CHECK_S that the store still holds the pool it maps, or
+              pings (one exchange) a store over NIXL it has not heard from in PING_S: a dead or restarted
+              store is forgotten (kv_store_connected 0) and handshaken with again
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.kv_transfer.nixl import new_agent, post_transfer, transfer_state, ucx_tcp_segments
 from pdserve.kv_transfer.store import StoreConnectorMeta, StoreInsertSpec, StoreLoadSpec
-from pdserve.kv_transfer.store_client import StoreClient, read_margin
+from pdserve.kv_transfer.store_client import StoreClient, StoreUnreachable, read_margin
 from pdserve.kv_transfer.store_shm import CopyHandle, MappedPool, attach
 from pdserve.kv_transfer.transport_worker import (Histogram, Region, coalesce, compat_hash, region_of,
                                                    single_kv_cache)
@@ -42,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_RETRY_S = 2.0
 POOL_CHECK_S = 1.0   # how often a client that maps the pool checks the store still holds it
+PING_S = 2.0         # how long a client over NIXL goes without a word from the store before it asks
 
 
 @dataclass
@@ -78,6 +82,8 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._store_agent: str | None = None        # connected over NIXL ...
         self._mapped: MappedPool | None = None      # ... or the pool mapped here
         self._pool_checked_at = 0.0
+        self._ping: Future | None = None            # a liveness question to the store, of boot _ping_boot
+        self._ping_boot: str | None = None
         self._closed = False
         self._closing = threading.Lock()   # shutdown against a handshake mapping the pool on another thread
         self._insert_ttl_s = 0.0
@@ -127,13 +133,7 @@ class StoreConnectorWorker(KVConnectorWorker):
 
     def _advance_handshake(self) -> None:
         if self.client.is_ready and self._store is not None:
-            if self._mapped is not None and time.monotonic() - self._pool_checked_at >= POOL_CHECK_S:
-                # An idle client hears of no restart (no reply says stale_boot), and the pages it maps
-                # outlive the store: let them go once the store no longer holds them (num_pending_requests
-                # makes an idle engine step for this).
-                self._pool_checked_at = time.monotonic()
-                if not self._mapped.is_current():
-                    self.client.forget_boot(self.client.boot_id, "is gone (its pool with it)")
+            self._check_store()
             return
         if self._store is not None:   # the store restarted: once nothing moves to or from the old one
             if self._loads or any(i.handle is not None for i in self._inserts.values()):
@@ -169,6 +169,30 @@ class StoreConnectorWorker(KVConnectorWorker):
         logger.info("KV store at %s:%d: %d slots of %d bytes, %s", *self.client.address, store.num_blocks,
                     store.block_bytes, "mapped here (shared memory)" if mapped is not None else "over NIXL")
 
+    def _check_store(self) -> None:
+        """An idle client hears of no restart or death (no reply says stale_boot or fails), so it asks:
+        one that maps the pool checks the store still holds it (the pages it maps outlive the store), one
+        over NIXL pings a store it has not heard from in PING_S. num_pending_requests makes an idle engine
+        step for this, but not while a ping is on its way."""
+        boot_id = self.client.boot_id
+        if self._mapped is not None:
+            if time.monotonic() - self._pool_checked_at >= POOL_CHECK_S:
+                self._pool_checked_at = time.monotonic()
+                if not self._mapped.is_current():
+                    self.client.forget_boot(boot_id, "is gone (its pool with it)")
+            return
+        if self._ping is None:
+            if self._ping_due():
+                self._ping, self._ping_boot = self.client.ping(boot_id), boot_id
+            return
+        if self._ping.done():
+            ping, self._ping = self._ping, None
+            if isinstance(ping.exception(), StoreUnreachable):   # (a stale_boot reply forgot the boot already)
+                self.client.forget_boot(self._ping_boot, "does not answer")
+
+    def _ping_due(self) -> bool:
+        return self._mapped is None and time.monotonic() - self.client.last_answer_at >= PING_S
+
     def _disconnect(self) -> None:
         if self._mapped is not None:
             self._mapped.close()
@@ -177,7 +201,7 @@ class StoreConnectorWorker(KVConnectorWorker):
                 self.agent.remove_remote_agent(self._store_agent)
             except Exception as e:
                 logger.debug("remove_remote_agent: %s", e)
-        self._store = self._store_agent = self._mapped = None
+        self._store = self._store_agent = self._mapped = self._ping = None
 
     # ---- the contract ----------------------------------------------------------------------------
 
@@ -349,11 +373,17 @@ class StoreConnectorWorker(KVConnectorWorker):
         return taken
 
     def num_pending_requests(self) -> int:
-        # The handshake, and a due check of the mapped pool, count too: an idle engine steps for them (it
+        # The handshake, and a due check that the store lives, count too: an idle engine steps for them (it
         # calls get_finished only in a step), so that it notices a dead store and lets its pool go.
-        pool_check_due = self._mapped is not None and time.monotonic() - self._pool_checked_at >= POOL_CHECK_S
         return (len(self._loads) + len(self._inserts) + len(self._finished_sending) + len(self._finished_recving)
-                + (self._handshake is not None) + pool_check_due)
+                + (self._handshake is not None) + self._store_check_due())
+
+    def _store_check_due(self) -> bool:
+        if not self.client.is_ready or self._store is None:
+            return False
+        if self._mapped is not None:
+            return time.monotonic() - self._pool_checked_at >= POOL_CHECK_S
+        return self._ping.done() if self._ping is not None else self._ping_due()
 
     def num_blocks_held(self) -> int:
         return (sum(len(i.spec.block_ids) for i in self._inserts.values())

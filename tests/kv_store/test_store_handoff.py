@@ -25,7 +25,7 @@ if not nixl_available():
     pytest.skip("needs NIXL (nixl or nixl_cu13)", allow_module_level=True)
 
 from pdserve.kv_store.server import KVStoreServer  # noqa: E402
-from pdserve.kv_transfer import store_shm  # noqa: E402
+from pdserve.kv_transfer import store_shm, store_worker  # noqa: E402
 from pdserve.kv_transfer.store_shm import SharedPool  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -488,19 +488,63 @@ def test_no_one_can_resize_the_pool_under_its_mappings(store, instance):
         os.close(fd)
 
 
-def test_a_client_lets_a_dead_stores_pool_go(store, instance):
+def test_an_idle_client_notices_a_dead_store(store, instance, monkeypatch):
     """An idle client hears no stale_boot: before, it kept the dead store's pool mapped (and pinned, on a
-    GPU) until some exchange failed, and a store started again doubled the host's memory."""
+    GPU) until some exchange failed, and a store started again doubled the host's memory; over NIXL it
+    reported itself connected (kv_store_connected 1) to a dead store until a request came."""
+    monkeypatch.setattr(store_worker, "PING_S", 0.5)
     server = store()
-    if not server.shared_memory:
-        pytest.skip("about a pool in shared memory")
     sched, worker, kv = instance(server)
-    assert worker.get_stats()["kv_store_shared_memory"] == 1 and pool_inodes()
+    assert worker.get_stats()["kv_store_shared_memory"] == int(server.shared_memory)
+    assert bool(pool_inodes()) == server.shared_memory
+    handshook_at, deadline = sched.client.last_answer_at, time.monotonic() + 1.2
+    while time.monotonic() < deadline:   # alive: the store answers, and the client stays connected
+        worker.get_finished()
+        time.sleep(0.01)
+    assert sched.client.is_ready
+    assert (sched.client.last_answer_at > handshook_at) != server.shared_memory   # (pinged only over NIXL)
     server.close()
     wait_for(lambda: worker.num_pending_requests() > 0, "the worker to ask an idle engine for a step", timeout=3)
-    wait_for(lambda: (worker.get_finished(), worker.get_stats()["kv_store_shared_memory"] == 0)[1],
-             "the client to let the pool go", timeout=5)
-    assert not sched.client.is_ready and not pool_inodes()
+    wait_for(lambda: (worker.get_finished(), worker.get_stats()["kv_store_connected"]
+                      + worker.get_stats()["kv_store_shared_memory"] == 0)[1], "the client to forget the store",
+             timeout=5)
+    assert not pool_inodes()
+
+
+def test_an_idle_client_finds_a_restarted_store(store, instance, monkeypatch):
+    monkeypatch.setattr(store_worker, "PING_S", 0.3)
+    server = store()
+    sched, worker, kv = instance(server)
+    port, old_boot = server.port, sched.client.boot_id
+    server.close()
+    restarted = KVStoreServer("127.0.0.1", port, 64 * BLOCK_BYTES, shared_memory=server.shared_memory)
+    try:
+        wait_for(lambda: (worker.get_finished(), sched.client.boot_id == restarted.boot_id)[1],
+                 "a handshake with the new boot", timeout=10)
+        assert old_boot != restarted.boot_id and worker.get_stats()["kv_store_connected"] == 1
+    finally:
+        restarted.close()
+
+
+def test_a_ping_in_flight_does_not_make_an_idle_engine_spin(store, instance, monkeypatch):
+    import socket
+    monkeypatch.setattr(store_worker, "PING_S", 0.2)
+    server = store()
+    if server.shared_memory:
+        pytest.skip("about pings (over NIXL)")
+    sched, worker, kv = instance(server)
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    try:
+        sched.client.address = ("127.0.0.1", hung.getsockname()[1])
+        wait_for(lambda: (worker.get_finished(), worker._ping is not None)[1], "a ping", timeout=3)
+        assert worker.num_pending_requests() == 0   # on its way: nothing to step for until it ends
+        wait_for(lambda: (worker.get_finished(), not sched.client.is_ready)[1], "the unanswered ping to end",
+                 timeout=RPC_TIMEOUT_S + 3)
+    finally:
+        hung.close()
+        sched.client.address = ("127.0.0.1", server.port)
 
 
 def test_a_store_with_other_ucx_tcp_segments_is_refused_naming_both_unless_mapped(store, instance, monkeypatch):
