@@ -45,9 +45,8 @@ MAGIC = b"pdserve-kv-store pool\n"
 MEMFD_NAME = "pdserve-kv-store"
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _PROC_FD = re.compile(r"^/proc/[0-9]+/fd/[0-9]+$")
-# A client whose KV is in VRAM maps the pool only once the GPU tests have run with it: none was lent in
-# session 46 (2026-12-07), so such a client stays on NIXL, as before.
-CUDA_MAPPING = False
+# A client whose KV is in VRAM maps the pool too (pinned with cudaHostRegister, copies on a side stream).
+CUDA_MAPPING = True
 
 
 def host_id() -> str:
