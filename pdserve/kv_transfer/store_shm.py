@@ -45,8 +45,6 @@ MAGIC = b"pdserve-kv-store pool\n"
 MEMFD_NAME = "pdserve-kv-store"
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _PROC_FD = re.compile(r"^/proc/[0-9]+/fd/[0-9]+$")
-# A client whose KV is in VRAM maps the pool too (pinned with cudaHostRegister, copies on a side stream).
-CUDA_MAPPING = True
 
 
 def host_id() -> str:
@@ -104,8 +102,6 @@ def attach(description: Any, boot_id: str, num_slots: int, block_bytes: int,
     """The store's pool mapped here, or None (with the reason logged) when this client cannot map it."""
     if not isinstance(description, dict) or not description.get("host") or description["host"] != host_id():
         return None   # no shared memory offered, or another host
-    if kv_cache.is_cuda and not CUDA_MAPPING:
-        return None
     size = HEADER_BYTES + num_slots * block_bytes
     try:
         path = description.get("path")
