@@ -19,8 +19,8 @@ def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str
                      ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
     """Both halves of the configured connector, or (None, None) when disaggregation is off. hash_extra: the
     prefix cache's (the store names blocks by the cache's hash). ranks: a tensor-parallel instance's other
-    ranks (worker/tp_executor.py), for the connectors that move every rank's KV (nixl); num_kv_heads: the
-    model's, for nixl readers of a P of another size."""
+    ranks (worker/tp_executor.py), for the connectors that move every rank's KV (nixl, nixl-push); num_kv_heads:
+    the model's, for nixl readers of a P of another size."""
     if config.kv_connector is None:
         return None, None
     engine_id = config.engine_id or f"{config.kv_role}-{uuid.uuid4().hex[:8]}"
@@ -45,8 +45,13 @@ def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str
         worker = CudaIpcConnectorWorker(config, engine_id, compat)
         host, port = config.side_channel_host, worker.side_channel_port
     elif config.kv_connector == "nixl-push":
-        from pdserve.kv_transfer.nixl import NixlPushConnectorWorker
-        push_worker = NixlPushConnectorWorker(config, engine_id, compat)
+        if ranks is not None:
+            from pdserve.kv_transfer.nixl_tp_push import TPNixlPushConnectorWorker
+            push_worker: KVConnectorWorker = TPNixlPushConnectorWorker(config, engine_id, compat, ranks,
+                                                                       num_kv_heads or 0)
+        else:
+            from pdserve.kv_transfer.nixl import NixlPushConnectorWorker
+            push_worker = NixlPushConnectorWorker(config, engine_id, compat)
         return PushConnectorScheduler(engine_id, block_size, is_producer=config.is_producer,
                                       is_consumer=config.is_consumer), push_worker
     elif config.kv_connector == "store":

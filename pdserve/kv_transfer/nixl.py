@@ -38,6 +38,7 @@ import torch
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.pull_worker_common import Load, PullConnectorWorker, Region, RemoteEngine
 from pdserve.kv_transfer.push_worker import PushConnectorWorker
+from pdserve.kv_transfer.transport_worker import check_same_tp_size
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -229,5 +230,9 @@ class NixlConnectorWorker(NixlTransport, PullConnectorWorker):
 
 
 class NixlPushConnectorWorker(NixlTransport, PushConnectorWorker):
+    def _check_remote_region(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
+        check_same_tp_size(1, reply, engine_id)   # (a D of T ranks: its blocks hold 1/T of the heads)
+        super()._check_remote_region(region, reply, engine_id)
+
     def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
         return self._xfer("WRITE", remote, runs, transfer_id)  # notif: the transfer id, on D's agent

@@ -46,7 +46,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import (NixlConnectorWorker, ProgressWhileHolding, new_agent, post_transfer,
                                       transfer_state)
 from pdserve.kv_transfer.pull_worker_common import Load, Region, RemoteEngine
-from pdserve.kv_transfer.transport_worker import coalesce, region_of
+from pdserve.kv_transfer.transport_worker import coalesce, region_of, remote_tp_size
 from pdserve.parallel.group import RankCallError
 
 logger = logging.getLogger(__name__)
@@ -149,16 +149,20 @@ class RankReader:
                 if not (keep_first and remote_rank == 0):   # rank 0's own agent: the worker half's to remove
                     self.agent.remove_remote_agent(name)
 
-    def post(self, key: str, local_block_ids: list[int], remote_block_ids: list[int]) -> tuple[int, str, int]:
-        """(read id, state, NIXL descriptors posted)."""
+    def post(self, key: str, local_block_ids: list[int], remote_block_ids: list[int], op: str = "READ",
+             notif: str = "") -> tuple[int, str, int]:
+        """(transfer id here, state, NIXL descriptors posted). A WRITE (push, with its notification) goes
+        only to a remote of the same size: this rank's heads are the remote rank's."""
         remote_tp, agents = self.remotes[key]
+        if op == "WRITE" and remote_tp != self.tp_size:
+            raise ValueError(f"a push needs the same tensor-parallel size: {self.tp_size} here, {remote_tp} remote")
         plan = read_plan(self.tp_size, self.rank, remote_tp, self.num_kv_heads)
         read = _Read([], plan, list(local_block_ids))
         try:
             if remote_tp == self.tp_size:
                 name, region = agents[plan[0].remote_rank]   # the same heads: straight into the cache
                 runs = coalesce(local_block_ids, remote_block_ids)
-                read.xfers.append(post_transfer(self.agent, "READ", self.region, region, name, runs, b"")[0])
+                read.xfers.append(post_transfer(self.agent, op, self.region, region, name, runs, notif.encode())[0])
                 num_descriptors = len(runs)
             else:
                 num_descriptors = self._post_staged(read, agents, remote_tp, remote_block_ids)
@@ -209,6 +213,13 @@ class RankReader:
         self.agent.get_new_notifs()
         return states
 
+    def poll_writes(self) -> tuple[dict[int, str], list[str]]:
+        """Push: the state of every WRITE posted here (P), and the notifications of WRITEs into this rank
+        that arrived since the last call (D: transfer ids); progresses the agent."""
+        states = {i: self._state(r) for i, r in self._reads.items()}
+        notifs = [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
+        return states, notifs
+
     def release(self, read_id: int) -> None:
         read = self._reads.get(read_id)
         if read is not None:
@@ -245,37 +256,35 @@ def combine(states: list[str]) -> str:
 
 
 class _TPHandle:
-    """A load's read id on every rank (rank 0's first); each is let go once."""
+    """A transfer's id on every rank (rank 0's first); each is let go once."""
 
     def __init__(self, read_ids: list[int | None], num_descriptors: int) -> None:
         self.read_ids, self.num_descriptors = read_ids, num_descriptors
 
 
-class TPNixlConnectorWorker(NixlConnectorWorker):
-    """Rank 0's worker half of a tensor-parallel instance, or a one-rank decode instance's (ranks None)."""
+class RankFanOut:
+    """What rank 0's worker half fans out to ranks 1..T-1, whatever the direction (a mixin before the
+    direction's NIXL worker class): registration, connections, posting a transfer on every rank, its
+    combined state, its release. self.local is rank 0's RankReader over the worker half's own agent."""
 
-    def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int],
-                 ranks: Ranks | None, num_kv_heads: int) -> None:
-        self.ranks = ranks
-        self.tp_size = ranks.size if ranks is not None else 1
-        self._rank_states: list[dict[int, str]] = []
-        self._ranks_holding = False   # what the last poll told the ranks
-        super().__init__(config, engine_id, compat)
-        self.local = RankReader(self.agent, engine_id, 0, self.tp_size, num_kv_heads)
-        self._call("kv_init", [(f"{engine_id}-rank{r}", config.enable_prog_thread, r, self.tp_size, num_kv_heads,
-                                self._progress is not None) for r in range(1, self.tp_size)])
+    ranks: Ranks | None
+    tp_size: int
+    local: RankReader
+
+    def _init_ranks(self, ranks: Ranks | None, num_kv_heads: int, progress_while_holding: bool) -> None:
+        self.local = RankReader(self.agent, self.engine_id, 0, self.tp_size, num_kv_heads)
+        self._call("kv_init", [(f"{self.engine_id}-rank{r}", self.config.enable_prog_thread, r, self.tp_size,
+                                num_kv_heads, progress_while_holding) for r in range(1, self.tp_size)])
 
     def _call(self, op: str, per_rank_args: list[tuple] | None = None) -> list[Any]:
         return self.ranks.call(op, per_rank_args) if self.ranks is not None else []
 
-    def start_load_kv(self, meta: Any) -> None:
-        super().start_load_kv(meta)
-        # Grants begin here, before the step goes to the ranks: tell them now, not after that step (a
-        # READ arriving during it would wait the step out on ranks 1..T-1).
-        if (self._progress is not None and not self._ranks_holding and self.ranks is not None
-                and self._region is not None and self.holder.num_pending()):
-            self._call("kv_poll", [(True,)] * (self.tp_size - 1))
-            self._ranks_holding = True
+    def _call_quietly(self, op: str, per_rank_args: list[tuple]) -> None:
+        """An undo on the ranks: failures are logged, not raised."""
+        try:
+            self._call(op, per_rank_args)
+        except Exception as error:
+            logger.warning("tensor parallel %s: %s: %s", op, type(error).__name__, error)
 
     def _register(self, kv_cache: torch.Tensor) -> tuple[dict[str, Any], bytes]:
         fields, blob = super()._register(kv_cache)
@@ -286,23 +295,13 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         super().register_kv_caches(kv_caches)
         self.local.adopt(self._kv_cache, self._region)
 
-    def _check_remote_region(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
-        remote_tp = 1 + len(reply.get("tp_ranks") or [])
-        if remote_tp == self.tp_size:
-            super()._check_remote_region(region, reply, engine_id)
-        else:   # a rank's block is another size there: the plan must exist
-            try:
-                read_plan(self.tp_size, 0, remote_tp, self.local.num_kv_heads)
-            except ValueError as e:
-                raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: {e}") from None
-
     def _connect(self, remote: RemoteEngine) -> None:
-        super()._connect(remote)   # rank 0's agent → P rank 0's agent (named remote.conn)
+        super()._connect(remote)   # rank 0's agent → the remote rank 0's agent (named remote.conn)
         entries = [{"agent_name": remote.conn, "region": remote.region.__dict__, "metadata": None},
                    *(remote.reply.get("tp_ranks") or [])]
         key = f"{remote.engine_id}:{remote.reply.get('boot_id')}"
         self.local.connect(key, entries)
-        # ranks 1..T-1 may need P's rank 0 too (a P of fewer ranks): they get its metadata
+        # ranks 1..T-1 may need the remote rank 0 too (a remote of fewer ranks): they get its metadata
         entries[0] = {**entries[0], "metadata": base64.b64encode(remote.blob).decode()}
         try:
             self._call("kv_connect", [(key, entries)] * (self.tp_size - 1))
@@ -313,25 +312,18 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
             raise
         remote.conn = (remote.conn, key, len(entries))
 
-    def _call_quietly(self, op: str, per_rank_args: list[tuple]) -> None:
-        """An undo on the ranks: failures are logged, not raised."""
+    def _post_ranks(self, request_id: str, remote: RemoteEngine, local_block_ids: list[int],
+                    remote_block_ids: list[int], op: str, notif: str = "") -> tuple[_TPHandle, str]:
+        _, key, _ = remote.conn
+        transfer_id, state0, num_descriptors = self.local.post(key, local_block_ids, remote_block_ids, op, notif)
+        handle = _TPHandle([transfer_id], num_descriptors)
         try:
-            self._call(op, per_rank_args)
-        except Exception as error:
-            logger.warning("tensor parallel %s: %s: %s", op, type(error).__name__, error)
-
-    def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
-        _, key, remote_tp = remote.conn
-        spec = load.spec
-        read_id, state0, num_descriptors = self.local.post(key, spec.local_block_ids, spec.remote_block_ids)
-        handle = _TPHandle([read_id], num_descriptors)
-        try:
-            posted = self._call("kv_post", [(key, spec.local_block_ids, spec.remote_block_ids)]
+            posted = self._call("kv_post", [(key, local_block_ids, remote_block_ids, op, notif)]
                                 * (self.tp_size - 1))
         except RankCallError as error:
-            # Some ranks posted: the load fails through the lifecycle's ERR path, which lets every posted
-            # READ go before D's blocks go back to its pool (or quarantines them while one cannot be aborted).
-            logger.warning("request %s: %s", spec.request_id, error)
+            # Some ranks posted: the transfer fails through the lifecycle's ERR path, which lets every posted
+            # transfer go before the blocks go back to the pool (or quarantines them while one cannot be aborted).
+            logger.warning("request %s: %s", request_id, error)
             handle.read_ids += [r[0] if r is not None else None for r in error.results]
             return handle, "ERR"
         except Exception:
@@ -341,12 +333,6 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         handle.num_descriptors += sum(n for _, _, n in posted)
         return handle, combine([state0, *(state for _, state, _ in posted)])
 
-    def _post_read(self, load: Load, remote: RemoteEngine) -> tuple[Any, str, int, int]:
-        """The KV handed over (every rank's heads; the blocks of a P of fewer ranks are read more than
-        once, which is not counted) and every rank's descriptors."""
-        handle, state, _, num_bytes = super()._post_read(load, remote)
-        return handle, state, handle.num_descriptors, num_bytes * self.tp_size
-
     def _check(self, handle: _TPHandle) -> str:
         states = [self.local.state_of(handle.read_ids[0]) if handle.read_ids[0] is not None else "DONE"]
         for rank_states, read_id in zip(self._rank_states, handle.read_ids[1:]):
@@ -354,8 +340,8 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         return combine(states)
 
     def _release(self, handle: _TPHandle | None) -> None:
-        """Raises while some rank's READ is active and cannot be aborted (the lifecycle then quarantines
-        the load and calls again later; parts already let go are not let go twice)."""
+        """Raises while some rank's transfer is active and cannot be aborted (the lifecycle then quarantines
+        it and calls again later; parts already let go are not let go twice)."""
         if handle is None:
             return
         if handle.read_ids[0] is not None:
@@ -365,6 +351,62 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         if any(r is not None for r in rest):
             self._call("kv_release", [(r,) for r in rest])   # (None: that rank holds nothing)
             handle.read_ids[1:] = [None] * len(rest)
+
+    def _disconnect(self, remote: RemoteEngine) -> None:
+        agent0, key, _ = remote.conn
+        self.local.disconnect(key, keep_first=True)
+        self.agent.remove_remote_agent(agent0)
+        self._call("kv_disconnect", [(key, False)] * (self.tp_size - 1))
+
+    def _deregister(self) -> None:
+        self.local.deregister()   # its transfers; the cache's registration is the worker half's
+        super()._deregister()
+        try:
+            self._call("kv_deregister")
+        except Exception as error:   # a rank lost: its process ends with the instance anyway
+            logger.warning("tensor parallel kv_deregister: %s: %s", type(error).__name__, error)
+
+
+class TPNixlConnectorWorker(RankFanOut, NixlConnectorWorker):
+    """Rank 0's worker half of a tensor-parallel instance, or a one-rank decode instance's (ranks None)."""
+
+    def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int],
+                 ranks: Ranks | None, num_kv_heads: int) -> None:
+        self.ranks = ranks
+        self.tp_size = ranks.size if ranks is not None else 1
+        self._rank_states: list[dict[int, str]] = []
+        self._ranks_holding = False   # what the last poll told the ranks
+        super().__init__(config, engine_id, compat)
+        self._init_ranks(ranks, num_kv_heads, self._progress is not None)
+
+    def start_load_kv(self, meta: Any) -> None:
+        super().start_load_kv(meta)
+        # Grants begin here, before the step goes to the ranks: tell them now, not after that step (a
+        # READ arriving during it would wait the step out on ranks 1..T-1).
+        if (self._progress is not None and not self._ranks_holding and self.ranks is not None
+                and self._region is not None and self.holder.num_pending()):
+            self._call("kv_poll", [(True,)] * (self.tp_size - 1))
+            self._ranks_holding = True
+
+    def _check_remote_region(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
+        remote_tp = remote_tp_size(reply)
+        if remote_tp == self.tp_size:
+            super()._check_remote_region(region, reply, engine_id)
+        else:   # a rank's block is another size there: the plan must exist
+            try:
+                read_plan(self.tp_size, 0, remote_tp, self.local.num_kv_heads)
+            except ValueError as e:
+                raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: {e}") from None
+
+    def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
+        spec = load.spec
+        return self._post_ranks(spec.request_id, remote, spec.local_block_ids, spec.remote_block_ids, "READ")
+
+    def _post_read(self, load: Load, remote: RemoteEngine) -> tuple[Any, str, int, int]:
+        """The KV handed over (every rank's heads; the blocks of a P of fewer ranks are read more than
+        once, which is not counted) and every rank's descriptors."""
+        handle, state, _, num_bytes = super()._post_read(load, remote)
+        return handle, state, handle.num_descriptors, num_bytes * self.tp_size
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         # One round to the ranks a step, and only while something may be moving: D's READs, or P's blocks
@@ -378,17 +420,3 @@ class TPNixlConnectorWorker(NixlConnectorWorker):
         else:
             self._rank_states = []
         return super().get_finished()
-
-    def _disconnect(self, remote: RemoteEngine) -> None:
-        agent0, key, _ = remote.conn
-        self.local.disconnect(key, keep_first=True)
-        self.agent.remove_remote_agent(agent0)
-        self._call("kv_disconnect", [(key, False)] * (self.tp_size - 1))
-
-    def _deregister(self) -> None:
-        self.local.deregister()   # its reads; the cache's registration is the worker half's
-        super()._deregister()
-        try:
-            self._call("kv_deregister")
-        except Exception as error:   # a rank lost: its process ends with the instance anyway
-            logger.warning("tensor parallel kv_deregister: %s: %s", type(error).__name__, error)

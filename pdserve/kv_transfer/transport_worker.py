@@ -87,6 +87,21 @@ def region_of(kv_cache: torch.Tensor) -> Region:
                   "VRAM" if kv_cache.is_cuda else "DRAM", (kv_cache.device.index if kv_cache.is_cuda else 0) or 0)
 
 
+def remote_tp_size(reply: dict[str, Any]) -> int:
+    """A peer's tensor-parallel size, from its handshake reply (its ranks 1..T-1 listed in tp_ranks)."""
+    ranks = reply.get("tp_ranks")
+    return 1 + (len(ranks) if isinstance(ranks, list) else 0)
+
+
+def check_same_tp_size(tp_size: int, reply: dict[str, Any], engine_id: str) -> None:
+    """A push writes each rank's heads into the remote rank that holds the same ones: RuntimeError naming both
+    sizes unless they match."""
+    if (remote := remote_tp_size(reply)) != tp_size:
+        raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: a push needs the same "
+                           f"tensor-parallel size on both sides, {tp_size} here and {remote} there "
+                           f"(--kv-connector nixl pulls between sizes of which one divides the other)")
+
+
 @dataclass
 class RemoteEngine:
     engine_id: str

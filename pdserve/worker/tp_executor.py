@@ -397,6 +397,7 @@ class RankCalls:
         self.handlers = {"kv_init": self.kv_init, "kv_register": lambda: self.transport.register(runner.kv_cache),
                          "kv_connect": lambda *a: self.transport.connect(*a),
                          "kv_post": lambda *a: self.transport.post(*a), "kv_poll": lambda *a: self.transport.poll(*a),
+                         "kv_poll_writes": lambda: self.transport.poll_writes(),
                          "kv_release": lambda *a: self.transport.release(*a),
                          "kv_disconnect": lambda *a: self.transport.disconnect(*a),
                          "kv_deregister": lambda: self.transport.deregister()}

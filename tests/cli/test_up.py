@@ -35,7 +35,8 @@ def fake_children(monkeypatch) -> list:
             pass
 
     monkeypatch.setattr(cluster, "ChildProcesses", FakeChildren)
-    return started
+    monkeypatch.setattr(cluster, "port_taken", lambda host, port: None)   # (nothing binds: a server of the
+    return started                                                        # user's on the port is no matter)
 
 
 def test_role_flags_come_last_so_they_win():
@@ -301,8 +302,12 @@ def test_up_refuses_tensor_parallel_instances_it_cannot_pair(capsys):
     assert "--tensor-parallel-size [2, 3]: of two sizes one must divide the other" in capsys.readouterr().err
     assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
                                serve_args=["-tp", "3"], kv_transfer_config=None, device="cpu",
-                               kv_connector="nixl-push") == 2
+                               kv_connector="store") == 2
     assert "colocated instances only" in capsys.readouterr().err
+    assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
+                               serve_args=["-tp", "3"], kv_transfer_config=None, device="cpu",
+                               kv_connector="nixl-push", decode_args=["-tp", "1"]) == 2
+    assert "a push handoff (--kv-connector nixl-push) needs the same size on both sides" in capsys.readouterr().err
     assert cluster.run_cluster(model="default", num_prefill=0, num_decode=0, num_colocated=1, host="127.0.0.1",
                                port=9000, serve_args=["-tp", "x"], kv_transfer_config=None, device="cpu") == 2
     assert "expected an integer" in capsys.readouterr().err

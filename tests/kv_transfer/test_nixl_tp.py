@@ -26,7 +26,7 @@ class FakeLocal:
     def __init__(self) -> None:
         self.released = []
 
-    def post(self, key, local_ids, remote_ids):
+    def post(self, key, local_ids, remote_ids, op="READ", notif=""):
         return 3, "PROC", 1
 
     def release(self, read_id):

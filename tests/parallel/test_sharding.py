@@ -77,10 +77,12 @@ def test_a_size_that_does_not_divide_the_model_is_refused_naming_the_sizes_that_
 def test_the_config_refuses_a_bad_size_and_a_tensor_parallel_pd_instance():
     with pytest.raises(ValueError, match="tensor_parallel_size: must be in"):
         ParallelConfig(tensor_parallel_size=0).validate()
-    config = EngineConfig(kv_transfer=KVTransferConfig(kv_connector="nixl-push"),
+    config = EngineConfig(kv_transfer=KVTransferConfig(kv_connector="cuda_ipc"),
                           parallel=ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="not supported yet"):
         config.validate()
+    EngineConfig(kv_transfer=KVTransferConfig(kv_connector="nixl-push"),
+                 parallel=ParallelConfig(tensor_parallel_size=2)).validate()
 
 
 def test_one_rank_needs_no_process_group():

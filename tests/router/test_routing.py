@@ -566,3 +566,16 @@ def wait_for(predicate, timeout: float = 3.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def test_startup_refuses_a_push_pair_of_different_tensor_parallel_sizes(harness):
+    """A push writes each rank's heads into the D rank holding the same ones: sizes 2 and 1, which pull pairs,
+    do not pair for push."""
+    p, d, d2 = harness.backend("prefill"), harness.backend("decode"), harness.backend("decode")
+    for backend, name, tp, port in ((p, "p", 2, 7061), (d, "d", 1, 7062), (d2, "d2", 2, 7063)):
+        backend.load["kv_connector"] = {"name": "nixl-push", "engine_id": name, "host": "127.0.0.1", "port": port,
+                                        "boot_id": "b", "tp_size": tp}
+    with pytest.raises(StartupError, match=r"\(--prefill\) has 2 tensor-parallel ranks and .* \(--decode\) 1: "
+                                           r"a push handoff needs the same size on both sides"):
+        harness.proxy([p], [d, d2], startup_timeout=2)
+    harness.proxy([p], [d2], startup_timeout=2)

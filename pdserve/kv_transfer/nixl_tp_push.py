@@ -1,0 +1,80 @@
+"""The `nixl-push` handoff between tensor-parallel instances of the same size.
+
+P's rank r WRITEs its heads of the prompt's blocks into D's rank r, which holds the same heads (one
+descriptor per block run per rank, as with one rank), and each WRITE carries the transfer id as its NIXL
+notification to that D rank. A rank's data is in its blocks once its own notification has come, so D counts
+a push done only when every rank's has: rank 0's from its own agent, ranks 1..T-1's through the step's one
+poll of the ranks (made only while a push is under way on either side). A count whose last notifications
+never come (the WRITE failed on some rank: P says push_failed, or D's wait runs out) is dropped after
+NOTIF_TTL_S.
+
+The lifecycle (announce, leases, heartbeats, push_failed) stays whole on rank 0 (push_lifecycle.py); only
+the transport hooks fan out (nixl_tp.RankFanOut). Between sizes, one rank's heads are strided in the
+other's blocks: pull regroups them on D through a staging buffer (nixl_tp.py), a push would need D to stage
+for P, which is not built. P refuses a D of another size at the handshake, naming both sizes; the router
+and `pdserve up` refuse such a pair at their start.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer.nixl import NixlPushConnectorWorker
+from pdserve.kv_transfer.nixl_tp import RankFanOut, Ranks
+from pdserve.kv_transfer.transport_worker import Region, RemoteEngine, check_same_tp_size
+
+NOTIF_TTL_S = 120.0
+
+
+class TPNixlPushConnectorWorker(RankFanOut, NixlPushConnectorWorker):
+    """Rank 0's push worker half of a tensor-parallel instance."""
+
+    def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int], ranks: Ranks,
+                 num_kv_heads: int) -> None:
+        self.ranks, self.tp_size = ranks, ranks.size
+        self._rank_states: list[dict[int, str]] = []
+        self._rank_notifs: list[list[str]] = []                     # ranks 1..T-1's, from the step's poll
+        self._notified: dict[str, tuple[set[int], float]] = {}    # transfer id → (ranks notified, first at)
+        super().__init__(config, engine_id, compat)
+        self._init_ranks(ranks, num_kv_heads, False)
+
+    def _check_remote_region(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
+        check_same_tp_size(self.tp_size, reply, engine_id)
+        super(NixlPushConnectorWorker, self)._check_remote_region(region, reply, engine_id)
+
+    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
+        local = [start + i for start, _, n in runs for i in range(n)]
+        theirs = [start + i for _, start, n in runs for i in range(n)]
+        return self._post_ranks(transfer_id, remote, local, theirs, "WRITE", transfer_id)
+
+    def _post_write(self, transfer_id: str, local_block_ids: list[int], remote_block_ids: list[int],
+                    remote: RemoteEngine) -> tuple[Any, str, int, int]:
+        """Every rank's descriptors and bytes (each rank writes its heads)."""
+        handle, state, _, num_bytes = super()._post_write(transfer_id, local_block_ids, remote_block_ids, remote)
+        return handle, state, handle.num_descriptors, num_bytes * self.tp_size
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        if self._region is not None and (self.pusher.num_pending() or self.receiver.num_pending()):
+            polled = self._call("kv_poll_writes", [()] * (self.tp_size - 1))
+            self._rank_states = [states for states, _ in polled]
+            self._rank_notifs = [notifs for _, notifs in polled]
+        else:
+            self._rank_states, self._rank_notifs = [], []
+        return super().get_finished()
+
+    def _take_notifs(self) -> list[str]:
+        now = time.monotonic()
+        done = []
+        arrived = [(0, super()._take_notifs()), *enumerate(self._rank_notifs, start=1)]
+        self._rank_notifs = []
+        for rank, transfer_ids in arrived:
+            for transfer_id in transfer_ids:
+                ranks, _ = self._notified.setdefault(transfer_id, (set(), now))
+                ranks.add(rank)
+                if len(ranks) == self.tp_size:
+                    del self._notified[transfer_id]
+                    done.append(transfer_id)
+        if self._notified:
+            self._notified = {t: e for t, e in self._notified.items() if now - e[1] < NOTIF_TTL_S}
+        return done

@@ -1,0 +1,62 @@
+"""The push handoff between tensor-parallel instances (`--kv-connector nixl-push`, NIXL over DRAM), on a tiny
+llama (2 KV heads): P and D of 2 ranks each behind the proxy, against a colocated instance of one rank: the
+same tokens, KV that every P rank really wrote, nothing held afterwards."""
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.cluster import ROUTER_KEY, Process, wait_until
+from tests.e2e.test_tp_pd_cluster import complete
+from tests.helpers_models import make_tiny_hf_model
+
+KV = '{"lease_seconds": 4, "heartbeat_seconds": 1}'
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = make_tiny_hf_model(tmp_path_factory.mktemp("tp_push"), "llama")
+    common = ["--model", model, "--kv-cache-memory", str(16 << 20), "--num-threads", "1"]
+    env = {"PDSERVE_ROUTER_KEY": ROUTER_KEY}
+    started: list[Process] = []
+
+    def serve(name, *args):
+        proc = Process(["serve", *common, *args], name, env=env)
+        started.append(proc)
+        return proc
+
+    try:
+        nodes = {role: serve(f"tp-push-{role}", "-tp", "2", "--kv-connector", "nixl-push", "--kv-role", kv_role,
+                             "--engine-id", f"tp-push-{role}", "--kv-transfer-config", KV)
+                 for role, kv_role in (("prefill", "producer"), ("decode", "consumer"))}
+        nodes["colocated"] = serve("tp-push-colocated")
+        for p in started:
+            p.wait_healthy()
+        nodes["proxy"] = Process(["proxy", "--prefill", nodes["prefill"].url, "--decode", nodes["decode"].url],
+                                 "tp-push-proxy", env=env)
+        started.append(nodes["proxy"])
+        nodes["proxy"].wait_healthy(60)
+        yield {**nodes, "model": model}
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def test_prefill_and_decode_of_two_ranks_push_and_answer_as_one_colocated_rank(cluster):
+    proxy, colocated, model, prefill, decode = (cluster[k] for k in ("proxy", "colocated", "model", "prefill",
+                                                                        "decode"))
+    before = prefill.metrics().get("kv_transfer_bytes_total", 0)
+    for n in (1, 15, 16, 17, 33, 100):
+        prompt = [(5 * i + n) % 250 + 1 for i in range(n)]
+        for extra in ({}, {"temperature": 0.9, "seed": n}):
+            status, got = complete(proxy, model, prompt, **extra)
+            assert status == 200, got
+            status, want = complete(colocated, model, prompt, **extra)
+            assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"], (n, extra)
+    # P wrote (it alone counts a push) at least the 100-token prompt's 6 full blocks of 2 layers x K,V x 16
+    # slots x 2 heads x 16 dims x 4 bytes, over its two ranks
+    assert prefill.metrics()["kv_transfer_bytes_total"] - before >= 6 * (2 * 2 * 16 * 2 * 16 * 4)
+    assert wait_until(lambda: all(p.metrics().get("kv_cache_usage_perc") == 0
+                                  and p.metrics().get("num_blocks_held_for_transfer", 0) == 0
+                                  for p in (prefill, decode)), timeout=15)
+    assert prefill.metrics().get("kv_lease_expirations_total", 0) == 0
+    assert decode.metrics().get("kv_transfer_failures_total", 0) == 0

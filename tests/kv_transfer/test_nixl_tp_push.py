@@ -1,0 +1,140 @@
+"""The push handoff between tensor-parallel instances (kv_transfer/nixl_tp_push.py) over real NIXL (UCX,
+CPU DRAM), in one process: rank 0's worker halves, and ranks 1..T-1 served by the ranks' own call handlers
+(worker/tp_executor.RankCalls) in this process instead of over their pipes."""
+from __future__ import annotations
+
+import types
+import uuid
+
+import pytest
+import torch
+
+from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer.push import PushConnectorMeta, PushRecvSpec, PushSendSpec
+from pdserve.parallel.group import RankCallError
+from tests.kv_transfer.helpers import COMPAT, nixl_available, poll
+
+if not nixl_available():
+    pytest.skip("needs NIXL (nixl or nixl_cu13)", allow_module_level=True)
+
+from pdserve.kv_transfer import nixl_tp_push  # noqa: E402
+from pdserve.kv_transfer.nixl import NixlPushConnectorWorker  # noqa: E402
+from pdserve.kv_transfer.nixl_tp_push import TPNixlPushConnectorWorker  # noqa: E402
+from pdserve.worker.tp_executor import RankCalls  # noqa: E402
+
+NUM_KV_HEADS = 4
+RANK_SHAPE = (16, 2, 2, 4, 2, 8)   # [blocks, layers, kv, slots, heads per rank (of 4, over 2 ranks), dim]
+
+
+class InProcessRanks:
+    """Ranks 1..T-1 as RankCalls in this process: the executor's call() contract (results in rank order,
+    RankCallError naming the ranks that failed)."""
+
+    def __init__(self, caches: list[torch.Tensor]) -> None:
+        self.size = 1 + len(caches)
+        self.servers = [RankCalls(types.SimpleNamespace(kv_cache=cache)) for cache in caches]
+        self.fail_post = False
+
+    def call(self, op, per_rank_args=None):
+        results, errors = [], []
+        for rank, (server, args) in enumerate(zip(self.servers, per_rank_args or [()] * len(self.servers)), 1):
+            kind, value = ("error", "injected") if op == "kv_post" and self.fail_post else server.run(op, args)
+            if kind == "error":
+                errors.append(f"rank {rank}: {value}")
+            results.append(value if kind != "error" else None)
+        if errors:
+            raise RankCallError(f"{op} failed on tensor parallel {'; '.join(errors)}", results)
+        return results
+
+
+@pytest.fixture
+def make_tp():
+    made = []
+
+    def make(role: str, caches: list[torch.Tensor]):
+        config = KVTransferConfig(kv_connector="nixl-push", kv_role=role)
+        ranks = InProcessRanks(caches[1:])
+        worker = TPNixlPushConnectorWorker(config, f"{role}-{uuid.uuid4().hex[:8]}", COMPAT, ranks, NUM_KV_HEADS)
+        worker.register_kv_caches(caches[0])
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        worker.shutdown()
+
+
+def filled(seed: int) -> torch.Tensor:
+    return torch.randn(RANK_SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def recv_spec(p, transfer_id="t1", local=(3, 4, 5), first=0, request_id="d-req"):
+    return PushRecvSpec(request_id, transfer_id, list(local), first, p.engine_id, "127.0.0.1",
+                        p.side_channel_port, p.boot_id)
+
+
+def assert_idle(*workers):
+    for worker in workers:
+        assert worker.num_pending_requests() == 0 and worker.get_stats()["num_blocks_held_for_transfer"] == 0
+        assert worker._notified == {}
+        assert worker.local._reads == {} and all(s.transport._reads == {} for s in worker.ranks.servers)
+
+
+def test_every_p_rank_writes_its_heads_into_the_d_rank_holding_them(make_tp):
+    p_caches, d_caches = [filled(0), filled(1)], [torch.zeros(RANK_SHAPE), torch.zeros(RANK_SHAPE)]
+    p, d = make_tp("producer", p_caches), make_tp("consumer", d_caches)
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[7, 8, 12], first=1)]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [10, 11, 12, 13])]))
+    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    for rank in (0, 1):
+        assert torch.equal(d_caches[rank][[7, 8, 12]], p_caches[rank][[11, 12, 13]]), rank
+    assert torch.count_nonzero(d_caches[1][[0, 1, 2, 9, 10]]) == 0
+    assert d.get_load_error("d-req") is None and not d.get_block_ids_with_load_errors()
+    stats = p.get_stats()
+    assert stats["kv_transfer_bytes_total"] == 2 * 3 * p_caches[0][0].numel() * 4   # both ranks' heads
+    assert stats["kv_transfer_descriptors_total"] == 2 * 2                          # [11,12]→[7,8], 13→12
+    assert_idle(p, d)
+
+
+def test_d_waits_for_every_ranks_notification(make_tp, monkeypatch):
+    """Rank 0's notification alone does not end the receive: rank 1's data may not have landed yet."""
+    from pdserve.kv_transfer.nixl import NixlTransport
+    d = make_tp("consumer", [torch.zeros(RANK_SHAPE), torch.zeros(RANK_SHAPE)])
+    rank0 = [[], [], ["t1"], []]
+    monkeypatch.setattr(NixlTransport, "_take_notifs", lambda self: rank0.pop(0))
+    d._rank_notifs = [["t1", "t2"]]
+    assert d._take_notifs() == []                       # rank 1's only, so far
+    d._rank_notifs = [["t1"]]
+    assert d._take_notifs() == []                       # a repeat from the same rank counts once
+    assert d._take_notifs() == ["t1"]                   # rank 0's: every rank's data is in
+    assert set(d._notified) == {"t2"}
+    ranks, first_at = d._notified["t2"]                 # one whose other notification never comes ...
+    d._notified["t2"] = (ranks, first_at - nixl_tp_push.NOTIF_TTL_S - 1)
+    assert d._take_notifs() == [] and d._notified == {}   # ... is dropped after NOTIF_TTL_S
+
+
+def test_a_write_that_fails_on_one_rank_fails_the_push_and_frees_both_sides(make_tp):
+    p_caches = [filled(2), filled(3)]
+    p, d = make_tp("producer", p_caches), make_tp("consumer", [torch.zeros(RANK_SHAPE), torch.zeros(RANK_SHAPE)])
+    p.ranks.fail_post = True
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[4, 5])]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2])]))
+    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r, timeout=10)
+    assert d.get_load_error("d-req") is not None and d.get_block_ids_with_load_errors() == {4, 5}
+    assert all(ranks == {0} for ranks, _ in d._notified.values())   # rank 0's, if it came: never done
+    d._notified.clear()   # (its count waits out NOTIF_TTL_S, not this test)
+    assert_idle(p, d)
+
+
+def test_a_push_between_different_tensor_parallel_sizes_is_refused_naming_both(make_tp):
+    p = make_tp("producer", [filled(4), filled(5)])
+    d_one_rank = NixlPushConnectorWorker(KVTransferConfig(kv_connector="nixl-push", kv_role="consumer"),
+                                         "d-one", COMPAT)
+    try:
+        d_one_rank.register_kv_caches(torch.zeros((16, 2, 2, 4, 4, 8)))
+        with pytest.raises(RuntimeError, match="same tensor-parallel size on both sides, 2 here and 1 there"):
+            p._check_remote_region(d_one_rank._region, {"tp_ranks": []}, "d-one")
+        with pytest.raises(RuntimeError, match="same tensor-parallel size on both sides, 1 here and 2 there"):
+            d_one_rank._check_remote_region(p._region, {"tp_ranks": [{}]}, p.engine_id)
+    finally:
+        d_one_rank.shutdown()
