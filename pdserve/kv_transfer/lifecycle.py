@@ -488,7 +488,7 @@ class Loader:
         for key, old in list(self.peers.items()):  # an older boot of this engine: its P is gone
             if old is not peer and old.engine_id == peer.engine_id:
                 self._drop_peer(old)
-        self.t._connect(remote)
+        self.t.connect_remote(remote)
         peer.remote = remote
         for load in self._loads_of(peer, LoadState.HANDSHAKING):
             self._to_claim(load, self.clock())

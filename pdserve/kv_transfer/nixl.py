@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from typing import Any, Callable
 
 import numpy as np
@@ -127,14 +128,17 @@ class NixlTransport:
     """The NIXL hooks, for either direction (a mixin before the direction's worker class)."""
 
     def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int]) -> None:
-        self.agent = new_agent(engine_id, config.enable_prog_thread, f"kv_connector {config.kv_connector}",
+        # A name per boot: a peer may still hold an earlier boot's agent (an idle connection, dropped only
+        # after a while), and NIXL refuses a second agent of the same name.
+        self.agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
+        self.agent = new_agent(self.agent_name, config.enable_prog_thread, f"kv_connector {config.kv_connector}",
                                thread_safe=self._progresses_while_holding(config))
         self._reg_descs = None
         super().__init__(config, engine_id, {**compat, "ucx_tcp_segments": ucx_tcp_segments()})
 
     def _register(self, kv_cache: torch.Tensor) -> tuple[dict[str, Any], bytes]:
         self._reg_descs = self.agent.register_memory(kv_cache)  # DRAM or VRAM from the tensor's device
-        return {"agent_name": self.engine_id}, self.agent.get_agent_metadata()  # includes the registration
+        return {"agent_name": self.agent_name}, self.agent.get_agent_metadata()  # includes the registration
 
     def _connect(self, remote: RemoteEngine) -> None:
         self.agent.add_remote_agent(remote.blob)

@@ -272,8 +272,8 @@ class RankFanOut:
     local: RankReader
 
     def _init_ranks(self, ranks: Ranks | None, num_kv_heads: int, progress_while_holding: bool) -> None:
-        self.local = RankReader(self.agent, self.engine_id, 0, self.tp_size, num_kv_heads)
-        self._call("kv_init", [(f"{self.engine_id}-rank{r}", self.config.enable_prog_thread, r, self.tp_size,
+        self.local = RankReader(self.agent, self.agent_name, 0, self.tp_size, num_kv_heads)
+        self._call("kv_init", [(f"{self.agent_name}-rank{r}", self.config.enable_prog_thread, r, self.tp_size,
                                 num_kv_heads, progress_while_holding) for r in range(1, self.tp_size)])
 
     def _call(self, op: str, per_rank_args: list[tuple] | None = None) -> list[Any]:

@@ -350,7 +350,7 @@ class Pusher:
         remote = self.t._parse_handshake(peer.key[0], reply, blob)  # raises: on_error fails the peer
         if reply.get("boot_id") != peer.key[1]:
             raise RuntimeError("the decode instance restarted since it announced its blocks")
-        self.t._connect(remote)
+        self.t.connect_remote(remote)
         peer.remote = remote
 
     def _drop_peer(self, peer: DPeer) -> None:

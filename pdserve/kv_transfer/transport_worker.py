@@ -214,6 +214,23 @@ class TransportWorker(KVConnectorWorker):
             raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: "
                                f"block_bytes local={self._region.block_bytes} remote={region.block_bytes}")
 
+    def connect_remote(self, remote: RemoteEngine) -> None:
+        """_connect, for the lifecycles: a transport's own error (a binding's exception, which a client must
+        not see) is logged and becomes a RuntimeError that names the peer."""
+        try:
+            self._connect(remote)
+        except RuntimeError as e:
+            if "remote engine" in str(e):   # (ours, for the client)
+                raise
+            self._connect_failed(remote, e)
+        except Exception as e:
+            self._connect_failed(remote, e)
+
+    @staticmethod
+    def _connect_failed(remote: RemoteEngine, error: Exception) -> None:
+        logger.warning("connecting to remote engine %s: %s: %s", remote.engine_id, type(error).__name__, error)
+        raise RuntimeError(f"the transport could not connect to remote engine {remote.engine_id}") from None
+
     def _on_handshake(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         reply = {"engine_id": self.engine_id, "boot_id": self.boot_id, "compat": self.compat}
         if message.get("compat_hash") != self.compat_hash:

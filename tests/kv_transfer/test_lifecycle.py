@@ -217,7 +217,7 @@ class FakeTransport:
             raise RuntimeError(f"handshake with remote engine {engine_id} failed: {reply.get('error')}")
         return RemoteEngine(engine_id, Region(**reply["region"]), reply, blob)
 
-    def _connect(self, remote):
+    def connect_remote(self, remote):
         self.connected.append(remote.engine_id)
 
     def _disconnect(self, remote):

@@ -348,3 +348,47 @@ def test_a_write_done_at_once_is_timed_from_its_post_not_from_the_step():
     finished = set()
     pusher._start(send, 10.0, finished)
     assert finished == {"p-req"} and t.counted == [pytest.approx(0.2)]
+
+
+def test_a_restarted_d_is_pushed_to_at_once(make_worker):
+    """P kept the first boot's agent loaded (idle peers go after a minute), and NIXL refused the new boot's
+    agent of the same name: every push to the restarted D failed for up to a minute (hostile review,
+    session 47). Each boot's agent has a name of its own now."""
+    from pdserve.config import KVTransferConfig
+    from pdserve.kv_transfer.nixl import NixlPushConnectorWorker
+    from tests.kv_transfer.helpers import COMPAT
+    p_cache = filled(7)
+    p = make_worker("producer", p_cache)
+    for boot, transfer_id in enumerate(("t1", "t2")):
+        d_cache = torch.zeros(KV_SHAPE)
+        d = NixlPushConnectorWorker(KVTransferConfig(kv_connector="nixl-push", kv_role="consumer"), "decode-0",
+                                    COMPAT)
+        try:
+            d.register_kv_caches(d_cache)
+            d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, transfer_id, local=[5, 6])]))
+            p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec(f"p-{transfer_id}", transfer_id, [2, 3])]))
+            poll([p, d], lambda s, r: f"p-{transfer_id}" in s and "d-req" in r)
+            assert d.get_load_error("d-req") is None, boot
+            assert torch.equal(d_cache[5:7], p_cache[2:4])
+        finally:
+            d.shutdown()
+
+
+def test_a_transport_error_on_connect_reaches_the_client_without_the_bindings_names(make_worker, monkeypatch):
+    """Before, the client's error read 'a malformed reply (nixlNotAllowedError)': a binding's class name,
+    which error bodies never carry (docs/security.md), and no malformed reply at all."""
+    from pdserve.kv_transfer.nixl import NixlTransport
+
+    class nixlNotAllowedError(Exception):
+        pass
+
+    def refuse(self, remote):
+        raise nixlNotAllowedError("NIXL_ERR_NOT_ALLOWED")
+
+    monkeypatch.setattr(NixlTransport, "_connect", refuse)
+    p, d = make_worker("producer", filled(8)), make_worker("consumer")
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[5, 6])]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [2, 3])]))
+    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    error = d.get_load_error("d-req")
+    assert f"could not connect to remote engine {d.engine_id}" in error and "nixl" not in error.lower(), error
