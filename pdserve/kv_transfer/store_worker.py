@@ -379,8 +379,10 @@ class StoreConnectorWorker(KVConnectorWorker):
                 + (self._handshake is not None) + self._store_check_due())
 
     def _store_check_due(self) -> bool:
-        if not self.client.is_ready or self._store is None:
-            return False
+        if self._store is None:   # a handshake to try again (the store was down): due once it may be
+            return self._handshake is None and time.monotonic() - self._handshake_at >= HANDSHAKE_RETRY_S
+        if not self.client.is_ready:   # the store is gone: let its pool go once nothing moves
+            return True
         if self._mapped is not None:
             return time.monotonic() - self._pool_checked_at >= POOL_CHECK_S
         return self._ping.done() if self._ping is not None else self._ping_due()

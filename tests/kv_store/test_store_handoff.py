@@ -504,11 +504,24 @@ def test_an_idle_client_notices_a_dead_store(store, instance, monkeypatch):
     assert sched.client.is_ready
     assert (sched.client.last_answer_at > handshook_at) != server.shared_memory   # (pinged only over NIXL)
     server.close()
-    wait_for(lambda: worker.num_pending_requests() > 0, "the worker to ask an idle engine for a step", timeout=3)
-    wait_for(lambda: (worker.get_finished(), worker.get_stats()["kv_store_connected"]
+    wait_for(lambda: (idle_engine_step(worker), worker.get_stats()["kv_store_connected"]
                       + worker.get_stats()["kv_store_shared_memory"] == 0)[1], "the client to forget the store",
              timeout=5)
     assert not pool_inodes()
+    restarted = KVStoreServer("127.0.0.1", server.port, 64 * BLOCK_BYTES, shared_memory=server.shared_memory)
+    try:   # ... and an idle engine connects again, without a request to make it step
+        wait_for(lambda: (idle_engine_step(worker), sched.client.boot_id == restarted.boot_id)[1],
+                 "a handshake with the new boot", timeout=10)
+        assert worker.get_stats()["kv_store_shared_memory"] == int(server.shared_memory)
+    finally:
+        restarted.close()
+
+
+def idle_engine_step(worker) -> None:
+    """What an idle engine does: it steps (and so polls the connector) only while the connector says it
+    has pending work (engine_core.has_work)."""
+    if worker.num_pending_requests() > 0:
+        worker.get_finished()
 
 
 def test_an_idle_client_finds_a_restarted_store(store, instance, monkeypatch):
@@ -519,7 +532,7 @@ def test_an_idle_client_finds_a_restarted_store(store, instance, monkeypatch):
     server.close()
     restarted = KVStoreServer("127.0.0.1", port, 64 * BLOCK_BYTES, shared_memory=server.shared_memory)
     try:
-        wait_for(lambda: (worker.get_finished(), sched.client.boot_id == restarted.boot_id)[1],
+        wait_for(lambda: (idle_engine_step(worker), sched.client.boot_id == restarted.boot_id)[1],
                  "a handshake with the new boot", timeout=10)
         assert old_boot != restarted.boot_id and worker.get_stats()["kv_store_connected"] == 1
     finally:
