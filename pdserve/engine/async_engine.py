@@ -474,9 +474,12 @@ class AsyncEngine:
         healthy, health = self.health()
         report: dict[str, Any] = {"boot_id": self.boot_id, "kv_role": self.kv_role, "healthy": healthy,
                                   "health": health}
-        if self.kv_side_channel is not None:  # the push handoff: the router hands P's to D
+        if self.config.kv_transfer.kv_connector and self.engine_id is not None:
+            # how it hands KV over (the router pairs only instances of one handoff), and where its side
+            # channel is, where it has one (the push handoff: the router hands P's to D)
             report["kv_connector"] = {"name": self.config.kv_transfer.kv_connector, "engine_id": self.engine_id,
-                                      "tp_size": self.config.parallel.tensor_parallel_size, **self.kv_side_channel}
+                                      "tp_size": self.config.parallel.tensor_parallel_size,
+                                      **(self.kv_side_channel or {})}
         report.update((name, self._stats.get(name)) for name in LOAD_REPORT_STATS)
         report["kv_events"] = self._kv_events.report(events_after)
         return report

@@ -173,7 +173,7 @@ def push_params(prefill: Instance, decode: Instance) -> tuple[dict, dict, dict, 
     what releases the transfer on P, on D), or None while P's side channel is not known (not polled yet, or
     it restarted): the caller takes that P for a failed one."""
     side, d_side = prefill.kv_connector, decode.kv_connector
-    if side is None:
+    if side is None or "port" not in side:
         return None
     transfer_id = uuid.uuid4().hex
     d_params = {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_engine_id": side["engine_id"],

@@ -67,7 +67,7 @@ class LoadReport:
     busy_seconds_total: float | None = None
     kv_transfer_bytes_total: int | None = None
     kv_transfer_seconds_total: float | None = None
-    kv_connector: Mapping | None = None   # {name, engine_id, host, port, boot_id}: its connector's side channel
+    kv_connector: Mapping | None = None   # {name, engine_id, tp_size, host, port, boot_id}: its connector (and side channel)
 
     @classmethod
     def parse(cls, data: Any) -> LoadReport:
@@ -102,15 +102,19 @@ def _is_seconds(value: Any) -> bool:
             and value >= 0)
 
 
-def _is_side_channel(value: Any) -> bool:
-    return (isinstance(value, Mapping) and all(isinstance(value.get(k), str) for k in ("name", "engine_id", "host"))
-            and _is_count(value.get("port")) and 0 < value["port"] < 65536
+def _is_kv_connector(value: Any) -> bool:
+    """{name, engine_id, tp_size, and host, port, boot_id where the connector has a side channel}."""
+    if not (isinstance(value, Mapping) and all(isinstance(value.get(k), str) for k in ("name", "engine_id"))):
+        return False
+    if "host" not in value and "port" not in value:   # (the store's instances: no side channel)
+        return True
+    return (isinstance(value.get("host"), str) and _is_count(value.get("port")) and 0 < value["port"] < 65536
             and isinstance(value.get("boot_id"), (str, type(None))))
 
 
 _FIELD_CHECKS = {
     "boot_id": lambda v: isinstance(v, str), "kv_role": lambda v: isinstance(v, str),
-    "kv_connector": _is_side_channel,
+    "kv_connector": _is_kv_connector,
     "healthy": lambda v: isinstance(v, bool), "health": lambda v: True,
     "hash_extra": lambda v: isinstance(v, str),
     "busy_seconds_total": _is_seconds, "kv_transfer_seconds_total": _is_seconds,

@@ -4,6 +4,7 @@ queue, and one real engine process whose reported hashes are the ones the router
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import pytest
@@ -101,6 +102,24 @@ def test_kv_role_is_the_connectors_role():
     assert AsyncEngine(config).load_report()["kv_role"] == "consumer"
     role_without_connector = EngineConfig(kv_transfer=KVTransferConfig(kv_role="producer"))
     assert AsyncEngine(role_without_connector).load_report()["kv_role"] is None
+
+
+def test_every_connector_is_reported_with_its_side_channel_where_it_has_one():
+    """A store instance has no side channel, and before it reported no connector: the router took it for
+    a pull instance (/cluster said "pull", and a store P beside a pull D was not refused at start)."""
+    from pdserve.router.instances import LoadReport
+    store = AsyncEngine(EngineConfig(kv_transfer=KVTransferConfig(kv_connector="store", kv_role="both",
+                                                                  kv_store="127.0.0.1:9")))
+    assert "kv_connector" not in store.load_report()   # (not started: no engine id yet)
+    store.engine_id = "both-1"
+    assert store.load_report()["kv_connector"] == {"name": "store", "engine_id": "both-1", "tp_size": 1}
+    push = AsyncEngine(EngineConfig(kv_transfer=KVTransferConfig(kv_connector="nixl-push", kv_role="producer")))
+    push.engine_id, push.kv_side_channel = "p-1", {"host": "127.0.0.1", "port": 7001, "boot_id": "b"}
+    assert push.load_report()["kv_connector"] == {"name": "nixl-push", "engine_id": "p-1", "tp_size": 1,
+                                                  "host": "127.0.0.1", "port": 7001, "boot_id": "b"}
+    for engine in (store, push):   # the router takes both
+        report = {**engine.load_report(), "kv_events": None}
+        assert LoadReport.parse(json.loads(json.dumps(report))).kv_connector == engine.load_report()["kv_connector"]
 
 
 # ----------------------------------------------------------------------------- the scheduler's prefill queue
