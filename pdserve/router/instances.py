@@ -57,6 +57,7 @@ class LoadReport:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    max_prompt_chars: int | None = None
     num_requests_running: int | None = None
     num_requests_waiting: int | None = None
     num_requests_waiting_for_remote_kvs: int | None = None

@@ -244,6 +244,23 @@ class Proxy:
             return parse_body(data, schema)
         return await asyncio.to_thread(parse_body, data, schema)
 
+    def check_prompt_size(self, parsed: Any, num_chars: int) -> None:
+        """ClientError 400 for a prompt no instance would take (longer than every instance's context, or
+        than every instance's character limit), before the router tokenizes or hashes it: a prompt of
+        megabytes would hold the tokenizer thread, or the event loop, for seconds. Silent while no
+        instance has reported its limits."""
+        reports = [inst.report for inst in self.router.instances if inst.report is not None]
+        max_model_len = max((r.max_model_len for r in reports if r.max_model_len), default=None)
+        prompt = getattr(parsed, "prompt", None)
+        if isinstance(prompt, list) and max_model_len is not None and len(prompt) >= max_model_len:
+            raise ClientError(400, f"prompt: {len(prompt)} tokens; this model's maximum context length is "
+                                   f"{max_model_len} tokens", "prompt")
+        max_chars = max((r.max_prompt_chars for r in reports if r.max_prompt_chars), default=None)
+        if max_chars is not None and num_chars > max_chars:
+            param = "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt"
+            raise ClientError(400, f"{param}: {num_chars} characters, more than the instances take "
+                                   f"({max_chars}, for a context of {max_model_len} tokens)", param)
+
     async def route_request(self, parsed: Any, num_chars: int) -> RouteRequest:
         """What the router needs to know of the prompt: its token ids when the policy or the decider look
         at cached prefixes (tokenized as the instances do), else its length (exact for token ids, about a
@@ -305,7 +322,9 @@ class Proxy:
             for field in ROUTER_FIELDS:   # the router's to set, never the client's
                 body.pop(field, None)
             start, headers = time.monotonic(), self.backend_headers(request_id)
-            req = await self.route_request(parsed, prompt_chars(parsed))
+            num_chars = prompt_chars(parsed)
+            self.check_prompt_size(parsed, num_chars)
+            req = await self.route_request(parsed, num_chars)
             return await self.serve(request, req, body, headers, start)
         except ClientError as e:
             self.metrics.num_errors.inc()

@@ -274,7 +274,8 @@ class OpenAIServer:
         if not self._may_transfer_kv(request):
             raise ProtocolError(403, "only the router may read the load report")
         events_after = _events_after(request.query.getall("events_after", []))
-        return web.json_response(self.engine.load_report(events_after))
+        # the server's own limit too: the router refuses a longer prompt before it tokenizes it
+        return web.json_response({**self.engine.load_report(events_after), "max_prompt_chars": self.max_prompt_chars})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(self.engine.stats), headers={"Content-Type": CONTENT_TYPE})

@@ -579,3 +579,22 @@ def test_startup_refuses_a_push_pair_of_different_tensor_parallel_sizes(harness)
                                            r"a push handoff needs the same size on both sides"):
         harness.proxy([p], [d, d2], startup_timeout=2)
     harness.proxy([p], [d2], startup_timeout=2)
+
+
+def test_a_prompt_no_instance_would_take_is_refused_before_the_router_tokenizes_or_hashes_it(harness):
+    """Before, the router tokenized a 30 MB prompt for a minute (its memory at 8 GB) or hashed 15 M token ids
+    on its event loop (every request stalled 3 s), and only then did the instance answer 413 (hostile
+    review, session 47). The instances' limits come with their load reports."""
+    p, d = harness.backend("prefill"), harness.backend("decode")
+    for backend in (p, d):
+        backend.load.update(max_model_len=64, max_prompt_chars=2048)
+    url = harness.proxy([p], [d], startup_timeout=2)
+    status, _, raw = complete(url, list(range(1, 65)))
+    assert status == 400 and "64 tokens; this model's maximum context length is 64 tokens" in raw.decode()
+    status, _, raw = complete(url, "x" * 2049)
+    assert status == 400 and "2049 characters, more than the instances take (2048" in raw.decode()
+    status, _, raw = post_raw(url, "/v1/chat/completions", {"model": MODEL, "max_tokens": 4,
+                                                            "messages": [{"role": "user", "content": "y" * 3000}]})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "messages"
+    assert not p.received and not d.received
+    assert complete(url, list(range(1, 60)))[0] == 200   # within the limits: served

@@ -45,7 +45,7 @@ def get_all(engine: FakeEngine, requests: list[tuple[str, dict]], **config) -> l
 def test_the_load_report_as_the_engine_builds_it():
     engine = FakeEngine(extra_stats={"num_free_blocks": 7})
     [(status, body)] = get_all(engine, [("/v1/load?events_after=0", {})])
-    assert status == 200 and body == engine.load_report(0)
+    assert status == 200 and body == {**engine.load_report(0), "max_prompt_chars": 32 * engine.max_model_len}
     assert body["kv_events"]["batches"] == [[1, "stored", [11, 12]]] and body["num_free_blocks"] == 7
     assert engine.load_report_calls[0] == 0
 
