@@ -99,9 +99,12 @@ async def final_hop(proxy: Proxy, request: web.Request, req: RouteRequest, inst:
             failed.append(inst.name)
             reason, inst = why_not_resume(proxy, error, relay, req, failed)
         if reason is None:
-            logger.warning("request %s: %s; resuming on %s after %d tokens", headers["X-Request-Id"], error,
-                           inst.name, relay.num_tokens if relay else 0)
-            proxy.metrics.num_recoveries.inc()
+            if error.is_at_capacity:   # (not a failure: the instance had no room, and one has now)
+                logger.info("request %s: %s; serving it on %s", headers["X-Request-Id"], error, inst.name)
+            else:
+                logger.warning("request %s: %s; resuming on %s after %d tokens", headers["X-Request-Id"], error,
+                               inst.name, relay.num_tokens if relay else 0)
+                proxy.metrics.num_recoveries.inc()
             computes_prompt = True
             hop_body = dict(body, router_token_ids=True) if is_stream else dict(body)
             if relay is not None and relay.num_tokens:

@@ -206,6 +206,8 @@ def test_the_only_decode_at_capacity_serves_the_request_once_it_has_room(harness
         assert json.loads(raw)["choices"][0]["text"] == "".join(PIECES)
     assert "kv_transfer_params" in full.received[0].body and "kv_transfer_params" not in full.received[-1].body
     assert p.releases == [{"kv_transfer_params": p.kv_transfer_params}]   # the first hop's KV went unused
+    # waiting for room is not a recovery (before, each 503 at capacity counted one, and logged a failure)
+    assert metrics(url)["pdserve:proxy_recoveries_total"] == 0
 
 
 def test_room_that_never_comes_ends_at_the_queue_timeout(harness):
