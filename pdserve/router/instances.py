@@ -11,6 +11,7 @@ Pure and deterministic: no I/O, the caller passes `now`.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -195,6 +196,7 @@ class Instance:
         self.report: LoadReport | None = None
         self.report_time: float | None = None
         self.num_reports = self.num_restarts = self.num_ejections = 0
+        self.ejected_at = float("-inf")
         # The router's own accounting.
         self.own_in_flight = 0
         self.num_sent = 0                   # hops begun, ever (GET /cluster: how the policy spread them)
@@ -228,7 +230,7 @@ class Instance:
         self.consecutive_failures += 1
         self.detail = detail
         if self.state == HEALTHY and self.consecutive_failures >= max(1, eject_after):
-            self.state = EJECTED
+            self.state, self.ejected_at = EJECTED, time.monotonic()
             self.num_ejections += 1
             return True
         return False
@@ -260,9 +262,14 @@ class Instance:
         healthy load report (a pdserve instance's health says its engine is stepping) within silence_s of now
         or of `began`. An instance that sends no load reports (another server, probed on /health, which says
         nothing of its engine) or was removed from the cluster (no longer polled) gets silence_s from `began`
-        or from its removal, as a stream gets between two bytes."""
+        or from its removal, as a stream gets between two bytes. An instance the polls ejected, and that has
+        answered no poll since, is given up on at once."""
         if self.num_restarts != since_restarts:
             return "restarted"
+        if self.state == EJECTED and (self.report_time or float("-inf")) < max(began, self.ejected_at):
+            # its polls fail and it has sent no report at all since (a stopped or hung process, not one
+            # that drains or reports itself unhealthy): the router has given up on it, so does the hop
+            return "ejected (its polls fail)"
         heard = max(began, self.removed_at or began) if self.removed else max(began, self.last_heard or began)
         if now - heard > silence_s:
             return f"no healthy load report for {now - heard:.1f} s"

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -533,3 +534,17 @@ def test_per_backend_counters_are_labelled_by_name(harness):
         text = resp.read().decode()
     assert 'pdserve:proxy_backend_errors_total{backend="prefill-0",role="prefill"} 2.0' in text   # round-robin: both
     assert 'pdserve:proxy_backend_requests_total{backend="decode-0",role="decode"} 2.0' in text
+
+
+def test_requests_waiting_on_a_prefill_the_polls_eject_go_elsewhere_at_once(harness):
+    """A stopped P (SIGSTOP) was ejected by the polls within seconds, but the requests it already held
+    waited for it as long as --timeout allows (20 s in the hostile run, 600 by default). Now the hop is
+    given up on at the ejection, and the request goes to another instance."""
+    p, d = harness.backend("prefill", "slow_5s"), harness.backend("decode")
+    url = harness.proxy([p], [d], timeout=600, eject_after=1, poll_interval=0.1, max_recoveries=1)
+    threading.Timer(0.3, lambda: setattr(p, "load_mode", "hang")).start()
+    began = time.monotonic()
+    code, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert code == 200, raw
+    assert time.monotonic() - began < 4.0   # the ejection (a poll's timeout), not P's 5 s answer
+    assert "kv_transfer_params" not in d.received[-1].body   # D computed the prompt itself
