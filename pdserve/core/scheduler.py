@@ -237,7 +237,8 @@ class Scheduler:
                 continue
 
             computed_blocks, num_local = [], request.num_computed_tokens
-            looked_up = num_local == 0 and self.kv.enable_caching
+            # (Prefix hits become the first blocks of a table: never for a request that holds blocks.)
+            looked_up = num_local == 0 and self.kv.enable_caching and not self.kv.num_blocks_of(request.request_id)
             if looked_up:
                 computed_blocks, num_local = self.kv.get_computed_blocks(request)
             num_external, load_async = 0, False
@@ -297,6 +298,13 @@ class Scheduler:
         # first token came along: it follows the prompt, and is computed next).
         request.num_computed_tokens = min(loaded, request.num_tokens - 1)
         request.num_cached_tokens = request.num_computed_tokens
+        if request.num_computed_tokens == 0:
+            # Nothing of the load is kept (it failed from its first block): start over as a new request, with
+            # no blocks. It looks the prefix cache up again when scheduled (another request may have cached
+            # the prefix meanwhile), and hits must be the first blocks of its table: appended after these,
+            # it would read them (unwritten) as context and write its decode into the cached hits.
+            self.kv.free(request)
+            return
         self.kv.cache_blocks(request, request.num_computed_tokens)
 
     @staticmethod

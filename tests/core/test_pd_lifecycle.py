@@ -365,3 +365,71 @@ def test_a_first_token_then_a_failed_load(policy):
         assert_no_leaks(p.s), assert_no_leaks(d.s)
     finally:
         p.close(), d.close()
+
+
+class KVRunner(FakeRunner):
+    """FakeRunner that keeps the KV: a block is the list of the token ids written at its slots. Each step
+    checks that a request's context (its positions before the new tokens) reads back its own tokens
+    through its block table, then writes the new ones."""
+
+    def __init__(self, num_blocks, connector_worker, prompts):
+        super().__init__(num_blocks, connector_worker)
+        self.prompts = prompts   # request id → prompt; outputs are fake_token(position - 1)
+
+    def token_at(self, request_id, pos):
+        prompt = self.prompts[request_id]
+        return prompt[pos] if pos < len(prompt) else fake_token(pos - 1)
+
+    def execute(self, out):
+        for item in out.scheduled:
+            for pos in range(item.num_computed_tokens):
+                block = self.kv_caches[item.block_ids[pos // BS]]
+                assert block is not None and block[pos % BS] == self.token_at(item.request_id, pos), (
+                    f"{item.request_id} reads position {pos} from block {item.block_ids[pos // BS]} ({block})")
+            for pos in range(item.num_computed_tokens, item.num_computed_tokens + len(item.token_ids)):
+                block_id = item.block_ids[pos // BS]
+                block = list(self.kv_caches[block_id] or [None] * BS)   # (a loaded block may be P's list)
+                block[pos % BS] = self.token_at(item.request_id, pos)
+                self.kv_caches[block_id] = block
+        return super().execute(out)
+
+
+@pytest.mark.parametrize("how", ["policy recompute", "marked for recompute (push: P's hop failed)"])
+def test_a_failed_load_recomputed_from_scratch_takes_prefix_hits_into_a_clean_block_table(how):
+    """A load that fails from its first block is recomputed from position 0. Meanwhile another request with
+    the same prefix filled D's prefix cache, so the recompute takes those hits: they must become the first
+    blocks of its block table. Appended after the blocks the failed load left (never written), the request
+    read garbage as context, and its decode wrote into the cached prefix blocks: every later request with
+    that prefix got wrong answers from D's cache (the push handoff, P killed mid-push, hostile-s47)."""
+    p = Instance("producer", "P5")
+    d = Instance("consumer", "D5", kv_load_failure_policy="recompute" if how == "policy recompute" else "fail",
+                 extra={"inject_read_failure": "all"})
+    try:
+        prompt = list(range(7, 20))   # 13 tokens: 4 blocks
+        warm = prompt[:9]             # caches blocks 0 and 1 on D while "req" waits for its load
+        probe = prompt[:9] + [500]
+        d.runner = KVRunner(64, d.conn_w, {"req": prompt, "warm": warm, "probe": probe})
+        if how != "policy recompute":
+            get_finished, marked = d.conn_w.get_finished, set()
+
+            def finished_and_marked():
+                sending, recving = get_finished()
+                marked.update(recving)
+                return sending, recving
+            d.conn_w.get_finished = finished_and_marked
+            d.conn_w.get_recompute_request_ids = lambda: {marked.pop()} if marked else set()
+        params = run_p(p, "req", prompt)
+        d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=12), kv_transfer_params=params))
+        d.s.add_request(Request("warm", warm, SamplingParams(max_tokens=1)))
+        results, statuses = d.drain()   # (12 tokens: the decode runs past the prompt's 4 blocks)
+        assert results["req"] == [fake_token(12 + i) for i in range(12)]
+        assert statuses["req"][0] == RequestStatus.FINISHED_LENGTH_CAPPED
+        # D's cached prefix still holds the prompt: a later request with it reads it back (KVRunner checks).
+        d.s.add_request(Request("probe", probe, SamplingParams(max_tokens=2)))
+        assert d.s.kv.get_computed_blocks(d.s.requests["probe"])[1] == 8
+        results, _ = d.drain()
+        assert results["probe"] == [fake_token(9 + i) for i in range(2)]
+        p.drain()
+        assert_no_leaks(p.s), assert_no_leaks(d.s)
+    finally:
+        p.close(), d.close()
