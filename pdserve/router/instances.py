@@ -11,7 +11,6 @@ Pure and deterministic: no I/O, the caller passes `now`.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -196,7 +195,7 @@ class Instance:
         self.report: LoadReport | None = None
         self.report_time: float | None = None
         self.num_reports = self.num_restarts = self.num_ejections = 0
-        self.ejected_at = float("-inf")
+        self.unanswered_polls = 0   # polls in a row that got no answer at all (a stopped or hung process)
         # The router's own accounting.
         self.own_in_flight = 0
         self.num_sent = 0                   # hops begun, ever (GET /cluster: how the policy spread them)
@@ -224,13 +223,15 @@ class Instance:
         from the start, and a dead one is ejected by the polls or connections that fail."""
         return self.state == HEALTHY
 
-    def record_failure(self, eject_after: int, detail: str | None = None) -> bool:
+    def record_failure(self, eject_after: int, detail: str | None = None, answered: bool = True) -> bool:
         """A failed poll (no answer, an error status, a malformed or unhealthy report) or a refused
-        connection. True when this failure ejected the instance."""
+        connection; answered=False for a poll that got no answer at all. True when this failure ejected the
+        instance."""
         self.consecutive_failures += 1
         self.detail = detail
+        self.unanswered_polls = 0 if answered else self.unanswered_polls + 1
         if self.state == HEALTHY and self.consecutive_failures >= max(1, eject_after):
-            self.state, self.ejected_at = EJECTED, time.monotonic()
+            self.state = EJECTED
             self.num_ejections += 1
             return True
         return False
@@ -253,7 +254,7 @@ class Instance:
     def record_success(self) -> bool:
         """A good poll. True when it re-admitted an ejected instance."""
         was_ejected = self.state == EJECTED
-        self.state, self.consecutive_failures, self.detail = HEALTHY, 0, None
+        self.state, self.consecutive_failures, self.detail, self.unanswered_polls = HEALTHY, 0, None, 0
         return was_ejected
 
     def why_silent(self, began: float, since_restarts: int, silence_s: float, now: float) -> str | None:
@@ -266,10 +267,10 @@ class Instance:
         answered no poll since, is given up on at once."""
         if self.num_restarts != since_restarts:
             return "restarted"
-        if self.state == EJECTED and (self.report_time or float("-inf")) < max(began, self.ejected_at):
-            # its polls fail and it has sent no report at all since (a stopped or hung process, not one
-            # that drains or reports itself unhealthy): the router has given up on it, so does the hop
-            return "ejected (its polls fail)"
+        if self.state == EJECTED and self.unanswered_polls:
+            # ejected, and its polls go unanswered (a stopped or hung process; not one that drains or
+            # reports itself unhealthy, which answers): the router has given up on it, so does the hop
+            return "ejected (its polls go unanswered)"
         heard = max(began, self.removed_at or began) if self.removed else max(began, self.last_heard or began)
         if now - heard > silence_s:
             return f"no healthy load report for {now - heard:.1f} s"

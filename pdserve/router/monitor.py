@@ -95,7 +95,7 @@ class Monitor:
         try:
             report = await self.fetch(inst)
         except NETWORK_ERRORS as e:   # /health and /cluster show the public words, the log the address
-            self.failed(inst, public_detail(e), describe(e))
+            self.failed(inst, public_detail(e), describe(e), answered=False)
             return
         except ValueError as e:
             self.failed(inst, str(e))
@@ -171,11 +171,11 @@ class Monitor:
         self.boot_ids.pop(name, None)
         self.no_load_route.discard(name)
 
-    def failed(self, inst: Instance, detail: str, log_detail: str | None = None) -> None:
+    def failed(self, inst: Instance, detail: str, log_detail: str | None = None, answered: bool = True) -> None:
         if inst.removed:   # (a request that met it on its way out: it is no longer routed to anyway)
             return
         was_available = inst.is_available
-        inst.record_failure(self.eject_after, detail)
+        inst.record_failure(self.eject_after, detail, answered)
         if was_available and not inst.is_available:
             logger.warning("%s ejected after %d failed checks: %s", inst.name, self.eject_after,
                            log_detail or detail)

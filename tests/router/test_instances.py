@@ -241,3 +241,18 @@ def test_restarted_keeps_the_routers_own_hops_in_flight():
     assert inst.report is None and inst.free_blocks is None and inst.num_in_flight == 1
     inst.end(ticket)
     assert inst.num_in_flight == 0
+
+
+def test_an_ejected_instance_cuts_the_hops_on_it_only_while_its_polls_go_unanswered():
+    """A stopped or hung instance answers no poll: its hops are given up on at its ejection. One that answers
+    unhealthy (draining, a long step) keeps them (the rule's first form compared clocks and cut these too)."""
+    inst = Instance("prefill-0", "http://p", "prefill")
+    inst.update(report(), 10.0)
+    inst.last_heard = 10.0
+    assert inst.record_failure(1, "unhealthy: draining")   # an answered poll that ejects it
+    assert inst.why_silent(9.0, 0, 600.0, 10.5) is None
+    inst.record_failure(1, "timed out", answered=False)
+    assert inst.why_silent(9.0, 0, 600.0, 11.0) == "ejected (its polls go unanswered)"
+    inst.record_failure(1, "unhealthy: draining")           # it answers again
+    assert inst.why_silent(9.0, 0, 600.0, 11.5) is None
+    assert inst.record_success() and inst.unanswered_polls == 0

@@ -548,3 +548,16 @@ def test_requests_waiting_on_a_prefill_the_polls_eject_go_elsewhere_at_once(harn
     assert code == 200, raw
     assert time.monotonic() - began < 4.0   # the ejection (a poll's timeout), not P's 5 s answer
     assert "kv_transfer_params" not in d.received[-1].body   # D computed the prompt itself
+
+
+def test_a_draining_or_unhealthy_instance_the_polls_eject_keeps_the_requests_it_holds(harness):
+    """Only an instance whose polls go unanswered is given up on at its ejection: one that answers them
+    unhealthy (draining after SIGTERM, a long step) is finishing its requests (review of the rule above:
+    it first cut these too)."""
+    p, d = harness.backend("prefill", "slow_1s"), harness.backend("decode")
+    url = harness.proxy([p], [d], timeout=600, eject_after=1, poll_interval=0.05, max_recoveries=1)
+    threading.Timer(0.2, lambda: p.load.update(healthy=False, health="draining")).start()
+    code, _, raw = post_raw(url, "/v1/completions", PROMPT_BODY)
+    assert code == 200, raw
+    assert "kv_transfer_params" in d.received[-1].body   # P's answer came, and D read its KV
+    assert len(p.received) == 1
