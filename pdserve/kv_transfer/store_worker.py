@@ -146,6 +146,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         if not self._handshake.done():
             return
         future, self._handshake = self._handshake, None
+        self._handshake_at = time.monotonic()   # (the next try waits HANDSHAKE_RETRY_S from this one's end)
         mapped = None
         try:
             reply, blob, mapped = future.result()
@@ -375,8 +376,10 @@ class StoreConnectorWorker(KVConnectorWorker):
     def num_pending_requests(self) -> int:
         # The handshake, and a due check that the store lives, count too: an idle engine steps for them (it
         # calls get_finished only in a step), so that it notices a dead store and lets its pool go.
+        # (A handshake on its way does not: the engine would step every millisecond for as long as a hung
+        # store takes to time out.)
         return (len(self._loads) + len(self._inserts) + len(self._finished_sending) + len(self._finished_recving)
-                + (self._handshake is not None) + self._store_check_due())
+                + (self._handshake is not None and self._handshake.done()) + self._store_check_due())
 
     def _store_check_due(self) -> bool:
         if self._store is None:   # a handshake to try again (the store was down): due once it may be

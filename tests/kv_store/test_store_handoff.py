@@ -247,7 +247,8 @@ def test_a_store_that_is_down_costs_nothing_but_the_hit(store, instance):
     sending, _ = step_until([worker], lambda s, r: "a" in s)    # P's blocks go free, nothing stored
     plain = Request("r", list(range(9)), SamplingParams(max_tokens=2))
     assert lookup(sched, worker, plain) == (0, False)
-    assert worker.num_pending_requests() == 0 and worker.num_blocks_held() == 0
+    assert (worker._loads, worker._inserts, worker.num_blocks_held()) == ({}, {}, 0)   # (an idle engine still
+                                                                                   # steps to try the store again)
 
 
 def test_d_waits_for_an_insert_that_never_comes_only_until_its_deadline(store, instance):
@@ -553,8 +554,11 @@ def test_a_ping_in_flight_does_not_make_an_idle_engine_spin(store, instance, mon
         sched.client.address = ("127.0.0.1", hung.getsockname()[1])
         wait_for(lambda: (worker.get_finished(), worker._ping is not None)[1], "a ping", timeout=3)
         assert worker.num_pending_requests() == 0   # on its way: nothing to step for until it ends
-        wait_for(lambda: (worker.get_finished(), not sched.client.is_ready)[1], "the unanswered ping to end",
+        wait_for(lambda: (idle_engine_step(worker), not sched.client.is_ready)[1], "the unanswered ping to end",
                  timeout=RPC_TIMEOUT_S + 3)
+        # ... nor the handshake that follows, with a store that does not answer it either
+        wait_for(lambda: (idle_engine_step(worker), worker._handshake is not None)[1], "a handshake", timeout=5)
+        assert worker.num_pending_requests() == 0
     finally:
         hung.close()
         sched.client.address = ("127.0.0.1", server.port)
