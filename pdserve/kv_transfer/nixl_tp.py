@@ -1,4 +1,5 @@
-"""The `nixl` pull handoff for tensor-parallel instances, of the same size or not.
+"""The `nixl` pull handoff for tensor-parallel instances, of the same size or not; and RankFanOut, the rank
+fan-out that the push handoff between instances of one size shares (nixl_tp_push.py).
 
 Each rank's KV cache holds its own KV heads, in its own process (and GPU), so each rank registers it
 with an agent of its own and READs what it needs itself. The lifecycle (leases, claims, heartbeats, the
@@ -113,7 +114,8 @@ class RankReader:
     @classmethod
     def create(cls, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int,
                num_kv_heads: int, progress_while_holding: bool = False) -> RankReader:
-        agent = new_agent(agent_name, enable_prog_thread, "kv_connector nixl", thread_safe=progress_while_holding)
+        agent = new_agent(agent_name, enable_prog_thread, "a tensor-parallel rank's KV transfers",
+                          thread_safe=progress_while_holding)
         reader = cls(agent, agent_name, rank, tp_size, num_kv_heads)
         if progress_while_holding:
             reader._progress = ProgressWhileHolding(agent, agent_name, lambda: reader.holding)
@@ -256,10 +258,13 @@ def combine(states: list[str]) -> str:
 
 
 class _TPHandle:
-    """A transfer's id on every rank (rank 0's first); each is let go once."""
+    """A transfer's id on every rank (rank 0's first); each is let go once. erred: some rank's part failed
+    to post or was let go before the whole was done: the transfer can never be done, whatever the other
+    ranks' parts say (a rank without an id would otherwise count as done)."""
 
     def __init__(self, read_ids: list[int | None], num_descriptors: int) -> None:
         self.read_ids, self.num_descriptors = read_ids, num_descriptors
+        self.erred = False
 
 
 class RankFanOut:
@@ -300,10 +305,10 @@ class RankFanOut:
         entries = [{"agent_name": remote.conn, "region": remote.region.__dict__, "metadata": None},
                    *(remote.reply.get("tp_ranks") or [])]
         key = f"{remote.engine_id}:{remote.reply.get('boot_id')}"
-        self.local.connect(key, entries)
-        # ranks 1..T-1 may need the remote rank 0 too (a remote of fewer ranks): they get its metadata
-        entries[0] = {**entries[0], "metadata": base64.b64encode(remote.blob).decode()}
         try:
+            self.local.connect(key, entries)
+            # ranks 1..T-1 may need the remote rank 0 too (a remote of fewer ranks): they get its metadata
+            entries[0] = {**entries[0], "metadata": base64.b64encode(remote.blob).decode()}
             self._call("kv_connect", [(key, entries)] * (self.tp_size - 1))
         except Exception:   # undo what the handshake did here and on the ranks that connected
             self.local.disconnect(key, keep_first=True)
@@ -325,6 +330,7 @@ class RankFanOut:
             # transfer go before the blocks go back to the pool (or quarantines them while one cannot be aborted).
             logger.warning("request %s: %s", request_id, error)
             handle.read_ids += [r[0] if r is not None else None for r in error.results]
+            handle.erred = True
             return handle, "ERR"
         except Exception:
             self._release(handle)
@@ -334,6 +340,8 @@ class RankFanOut:
         return handle, combine([state0, *(state for _, state, _ in posted)])
 
     def _check(self, handle: _TPHandle) -> str:
+        if handle.erred:
+            return "ERR"
         states = [self.local.state_of(handle.read_ids[0]) if handle.read_ids[0] is not None else "DONE"]
         for rank_states, read_id in zip(self._rank_states, handle.read_ids[1:]):
             states.append(rank_states.get(read_id, "PROC") if read_id is not None else "DONE")
@@ -344,6 +352,7 @@ class RankFanOut:
         it and calls again later; parts already let go are not let go twice)."""
         if handle is None:
             return
+        handle.erred = True   # (let go: checked again only while a part cannot be aborted, never done)
         if handle.read_ids[0] is not None:
             self.local.release(handle.read_ids[0])
             handle.read_ids[0] = None

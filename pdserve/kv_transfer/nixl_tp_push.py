@@ -5,8 +5,8 @@ descriptor per block run per rank, as with one rank), and each WRITE carries the
 notification to that D rank. A rank's data is in its blocks once its own notification has come, so D counts
 a push done only when every rank's has: rank 0's from its own agent, ranks 1..T-1's through the step's one
 poll of the ranks (made only while a push is under way on either side). A count whose last notifications
-never come (the WRITE failed on some rank: P says push_failed, or D's wait runs out) is dropped after
-NOTIF_TTL_S.
+never come (the WRITE failed on some rank: P says push_failed, or D's wait runs out) is dropped once D can
+no longer be waiting for it (NOTIF_TTL_S at least).
 
 The lifecycle (announce, leases, heartbeats, push_failed) stays whole on rank 0 (push_lifecycle.py); only
 the transport hooks fan out (nixl_tp.RankFanOut). Between sizes, one rank's heads are strided in the
@@ -16,6 +16,7 @@ and `pdserve up` refuse such a pair at their start.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -41,6 +42,7 @@ class TPNixlPushConnectorWorker(RankFanOut, NixlPushConnectorWorker):
 
     def _check_remote_region(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
         check_same_tp_size(self.tp_size, reply, engine_id)
+        # (past NixlPushConnectorWorker's own check, which is for one rank: to the block size's)
         super(NixlPushConnectorWorker, self)._check_remote_region(region, reply, engine_id)
 
     def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
@@ -58,16 +60,18 @@ class TPNixlPushConnectorWorker(RankFanOut, NixlPushConnectorWorker):
         if self._region is not None and (self.pusher.num_pending() or self.receiver.num_pending()):
             polled = self._call("kv_poll_writes", [()] * (self.tp_size - 1))
             self._rank_states = [states for states, _ in polled]
-            self._rank_notifs = [notifs for _, notifs in polled]
+            # (added to, not replaced: what an earlier poll brought stays until _take_notifs has counted it)
+            self._rank_notifs = [mine + new for mine, (_, new) in itertools.zip_longest(
+                self._rank_notifs, polled, fillvalue=[])]
         else:
-            self._rank_states, self._rank_notifs = [], []
+            self._rank_states = []
         return super().get_finished()
 
     def _take_notifs(self) -> list[str]:
         now = time.monotonic()
         done = []
         arrived = [(0, super()._take_notifs()), *enumerate(self._rank_notifs, start=1)]
-        self._rank_notifs = []
+        self._rank_notifs = []   # (counted below; rank 0's call above raised otherwise, and they stay)
         for rank, transfer_ids in arrived:
             for transfer_id in transfer_ids:
                 ranks, _ = self._notified.setdefault(transfer_id, (set(), now))
@@ -75,6 +79,7 @@ class TPNixlPushConnectorWorker(RankFanOut, NixlPushConnectorWorker):
                 if len(ranks) == self.tp_size:
                     del self._notified[transfer_id]
                     done.append(transfer_id)
-        if self._notified:
-            self._notified = {t: e for t, e in self._notified.items() if now - e[1] < NOTIF_TTL_S}
+        if self._notified:   # kept as long as D may still wait for the push (Receiver's wait and lease)
+            ttl = max(NOTIF_TTL_S, self.receiver.wait_timeout + self.receiver.lease_s)
+            self._notified = {t: e for t, e in self._notified.items() if now - e[1] < ttl}
         return done

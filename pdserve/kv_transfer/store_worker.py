@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +75,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         self.config, self.engine_id, self.client = config, engine_id, client
         self.compat, self.compat_hash = dict(compat), compat_hash(compat)
         self.drop_after_read = bool(config.extra.get("store_drop_after_read", False))
-        self.agent = new_agent(engine_id, config.enable_prog_thread, "kv_connector store")
+        self.agent = new_agent(f"{engine_id}-{uuid.uuid4().hex[:8]}", config.enable_prog_thread, "kv_connector store")
         self._kv_cache: torch.Tensor | None = None
         self._reg_descs = None
         self._region: Region | None = None

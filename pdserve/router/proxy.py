@@ -247,19 +247,23 @@ class Proxy:
     def check_prompt_size(self, parsed: Any, num_chars: int) -> None:
         """ClientError 400 for a prompt no instance would take (longer than every instance's context, or
         than every instance's character limit), before the router tokenizes or hashes it: a prompt of
-        megabytes would hold the tokenizer thread, or the event loop, for seconds. Silent while no
-        instance has reported its limits."""
-        reports = [inst.report for inst in self.router.instances if inst.report is not None]
-        max_model_len = max((r.max_model_len for r in reports if r.max_model_len), default=None)
+        megabytes would hold the tokenizer thread, or the event loop, for seconds. A limit is not checked
+        while some instance has not reported it (not polled yet, an older pdserve, another server)."""
+        reports = [inst.report for inst in self.router.instances if not inst.removed]
+
+        def largest(field: str) -> int | None:   # None while any instance has not said (it may take more)
+            values = [getattr(r, field) if r is not None else None for r in reports]
+            return max(values) if values and None not in values else None
+        max_model_len = largest("max_model_len")
         prompt = getattr(parsed, "prompt", None)
         if isinstance(prompt, list) and max_model_len is not None and len(prompt) >= max_model_len:
             raise ClientError(400, f"prompt: {len(prompt)} tokens; this model's maximum context length is "
                                    f"{max_model_len} tokens", "prompt")
-        max_chars = max((r.max_prompt_chars for r in reports if r.max_prompt_chars), default=None)
+        max_chars = largest("max_prompt_chars")
         if max_chars is not None and num_chars > max_chars:
             param = "messages" if isinstance(parsed, ChatCompletionRequest) else "prompt"
             raise ClientError(400, f"{param}: {num_chars} characters, more than the instances take "
-                                   f"({max_chars}, for a context of {max_model_len} tokens)", param)
+                                   f"({max_chars})", param)
 
     async def route_request(self, parsed: Any, num_chars: int) -> RouteRequest:
         """What the router needs to know of the prompt: its token ids when the policy or the decider look

@@ -32,6 +32,9 @@ class FakeLocal:
     def release(self, read_id):
         self.released.append(read_id)
 
+    def state_of(self, read_id):
+        return "DONE"
+
 
 def bare_worker(ranks) -> TPNixlConnectorWorker:
     """The worker half's fan-out alone (no agent, no side channel)."""
@@ -112,3 +115,19 @@ def test_the_ranks_hear_of_p_s_first_grant_before_the_step_it_came_with(monkeypa
     worker.start_load_kv(None)
     worker.start_load_kv(None)   # told once
     assert [c for c in ranks.calls if c[0] == "kv_poll"] == [("kv_poll", [(True,), (True,)])]
+
+
+def test_a_transfer_missing_a_ranks_part_is_never_done():
+    """A rank whose post failed has no id, and counted as done: a push quarantined after such a failure
+    (another rank's WRITE could not be aborted) was then reported written once the others were done, and D
+    waited a minute for the missing rank's notification (review, session 47)."""
+    worker = bare_worker(FakeRanks())
+    load = SimpleNamespace(spec=SimpleNamespace(request_id="r", local_block_ids=[1, 2], remote_block_ids=[5, 6]))
+    handle, state = worker._post(load, SimpleNamespace(conn=("agent", "P:boot", 3)), [(1, 5, 2)])
+    worker._rank_states = [{}, {7: "DONE"}]   # rank 2's READ done, rank 0's done, rank 1's never posted
+    assert state == "ERR" and worker._check(handle) == "ERR"
+    fine = _TPHandle([3, 4, 5], 3)
+    worker._rank_states = [{4: "DONE"}, {5: "DONE"}]
+    assert worker._check(fine) == "DONE"
+    worker._release(fine)
+    assert worker._check(fine) == "ERR"   # let go: never done afterwards

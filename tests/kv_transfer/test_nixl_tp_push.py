@@ -138,3 +138,24 @@ def test_a_push_between_different_tensor_parallel_sizes_is_refused_naming_both(m
             d_one_rank._check_remote_region(p._region, {"tp_ranks": [{}]}, p.engine_id)
     finally:
         d_one_rank.shutdown()
+
+
+def test_ranks_notifications_survive_a_step_whose_own_poll_failed(make_tp, monkeypatch):
+    """Rank 0's agent raised while taking its notifications: what ranks 1..T-1 had brought in that step was
+    overwritten by the next poll, and the push could never count as done (review, session 47)."""
+    from pdserve.kv_transfer.nixl import NixlTransport
+    d = make_tp("consumer", [torch.zeros(RANK_SHAPE), torch.zeros(RANK_SHAPE)])
+    calls = []
+
+    def rank0(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("NIXL binding error")
+        return ["t1"] if len(calls) == 2 else []
+    monkeypatch.setattr(NixlTransport, "_take_notifs", rank0)
+    monkeypatch.setattr(d.receiver, "num_pending", lambda: 1)   # (a push under way: the ranks are polled)
+    d.ranks.servers[0].transport.poll_writes = lambda: ({}, ["t1"] if not calls else [])
+    with pytest.raises(RuntimeError):
+        d.get_finished()
+    d.get_finished()   # the ranks bring nothing new; rank 0's "t1" comes: every rank's is in
+    assert d._notified == {}

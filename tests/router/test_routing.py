@@ -598,3 +598,14 @@ def test_a_prompt_no_instance_would_take_is_refused_before_the_router_tokenizes_
     assert status == 400 and json.loads(raw)["error"]["param"] == "messages"
     assert not p.received and not d.received
     assert complete(url, list(range(1, 60)))[0] == 200   # within the limits: served
+
+
+def test_a_limit_some_instance_has_not_reported_is_not_checked(harness):
+    """An instance that has not said (an older pdserve, another server) may take a longer prompt."""
+    p, d, other = harness.backend("prefill"), harness.backend("decode"), harness.backend("decode")
+    for backend in (p, d):
+        backend.load.update(max_model_len=64, max_prompt_chars=2048)
+    other.load.update(max_model_len=64)
+    url = harness.proxy([p], [d, other], startup_timeout=2)
+    assert complete(url, "x" * 2049)[0] == 200
+    assert complete(url, list(range(1, 65)))[0] == 400   # every instance said 64 tokens
