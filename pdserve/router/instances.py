@@ -68,7 +68,7 @@ class LoadReport:
     busy_seconds_total: float | None = None
     kv_transfer_bytes_total: int | None = None
     kv_transfer_seconds_total: float | None = None
-    kv_connector: Mapping | None = None   # {name, engine_id, tp_size, host, port, boot_id}: its connector (and side channel)
+    kv_connector: Mapping | None = None   # {name, engine_id, tp_size, host, port, boot_id}: connector, side channel
 
     @classmethod
     def parse(cls, data: Any) -> LoadReport:
