@@ -193,7 +193,7 @@ class StoreConnectorWorker(KVConnectorWorker):
                 self.client.forget_boot(self._ping_boot, "does not answer")
 
     def _ping_due(self) -> bool:
-        return self._mapped is None and time.monotonic() - self.client.last_answer_at >= PING_S
+        return time.monotonic() - self.client.last_answer_at >= PING_S   # (asked only of a client over NIXL)
 
     def _disconnect(self) -> None:
         if self._mapped is not None:

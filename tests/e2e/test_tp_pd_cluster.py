@@ -14,20 +14,25 @@ from tests.e2e.cluster import ROUTER_KEY, Process, wait_until
 from tests.helpers_models import make_tiny_hf_model
 
 KV = '{"lease_seconds": 4, "heartbeat_seconds": 1}'
+ENV = {"PDSERVE_ROUTER_KEY": ROUTER_KEY}
+
+
+def tiny_llama_servers(tmp_path_factory, name: str):
+    """(model path, serve(name, *args) starting a `pdserve serve` of it, the processes started so far)."""
+    model = make_tiny_hf_model(tmp_path_factory.mktemp(name), "llama")
+    common = ["--model", model, "--kv-cache-memory", str(16 << 20), "--num-threads", "1"]
+    started: list[Process] = []
+
+    def serve(name, *args):
+        proc = Process(["serve", *common, *args], name, env=ENV)
+        started.append(proc)
+        return proc
+    return model, serve, started
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    model = make_tiny_hf_model(tmp_path_factory.mktemp("tp_pd"), "llama")
-    common = ["--model", model, "--kv-cache-memory", str(16 << 20), "--num-threads", "1"]
-    env = {"PDSERVE_ROUTER_KEY": ROUTER_KEY}
-    started: list[Process] = []
-
-    def serve(name, *args):
-        proc = Process(["serve", *common, *args], name, env=env)
-        started.append(proc)
-        return proc
-
+    model, serve, started = tiny_llama_servers(tmp_path_factory, "tp_pd")
     try:
         prefill = serve("tp-prefill", "-tp", "2", "--kv-connector", "nixl", "--kv-role", "producer",
                         "--engine-id", "tp-prefill", "--kv-transfer-config", KV)
@@ -41,7 +46,7 @@ def cluster(tmp_path_factory):
         for p in started:
             p.wait_healthy()
         pairs = {"2-2": (prefill, decode), "2-1": (prefill, narrow_decode), "1-2": (narrow_prefill, decode)}
-        proxies = {name: Process(["proxy", "--prefill", p.url, "--decode", d.url], f"tp-proxy-{name}", env=env)
+        proxies = {name: Process(["proxy", "--prefill", p.url, "--decode", d.url], f"tp-proxy-{name}", env=ENV)
                    for name, (p, d) in pairs.items()}
         started += proxies.values()
         for p in proxies.values():

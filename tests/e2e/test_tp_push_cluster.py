@@ -5,25 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.cluster import ROUTER_KEY, Process, wait_until
-from tests.e2e.test_tp_pd_cluster import complete
-from tests.helpers_models import make_tiny_hf_model
+from tests.e2e.cluster import Process, wait_until
+from tests.e2e.test_tp_pd_cluster import ENV, complete, tiny_llama_servers
 
 KV = '{"lease_seconds": 4, "heartbeat_seconds": 1}'
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    model = make_tiny_hf_model(tmp_path_factory.mktemp("tp_push"), "llama")
-    common = ["--model", model, "--kv-cache-memory", str(16 << 20), "--num-threads", "1"]
-    env = {"PDSERVE_ROUTER_KEY": ROUTER_KEY}
-    started: list[Process] = []
-
-    def serve(name, *args):
-        proc = Process(["serve", *common, *args], name, env=env)
-        started.append(proc)
-        return proc
-
+    model, serve, started = tiny_llama_servers(tmp_path_factory, "tp_push")
     try:
         nodes = {role: serve(f"tp-push-{role}", "-tp", "2", "--kv-connector", "nixl-push", "--kv-role", kv_role,
                              "--engine-id", f"tp-push-{role}", "--kv-transfer-config", KV)
@@ -32,7 +22,7 @@ def cluster(tmp_path_factory):
         for p in started:
             p.wait_healthy()
         nodes["proxy"] = Process(["proxy", "--prefill", nodes["prefill"].url, "--decode", nodes["decode"].url],
-                                 "tp-push-proxy", env=env)
+                                 "tp-push-proxy", env=ENV)
         started.append(nodes["proxy"])
         nodes["proxy"].wait_healthy(60)
         yield {**nodes, "model": model}
