@@ -279,9 +279,12 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _promote_loaded(self, request: Request, invalid_block_ids: set[int], recompute: bool = False) -> None:
+    def _promote_loaded(self, request: Request, invalid_block_ids: set[int], recompute: bool = False,
+                        first_token_ids: Sequence[int] = ()) -> None:
         """The connector finished loading the request's KV: make it schedulable, or finish it with
-        an error when the load failed under policy `fail` (unless the connector says to recompute)."""
+        an error when the load failed under policy `fail` (unless the connector says to recompute).
+        first_token_ids: P's token, where the load brought it (push): taken as add_request takes a pull's,
+        so D's output starts with what P's prefill sampled."""
         block_ids = self.kv.get_block_ids(request.request_id)
         loaded = request.num_cached_tokens
         request.status = RequestStatus.WAITING
@@ -296,8 +299,13 @@ class Scheduler:
             loaded = min(loaded, bad[0] * self.block_size)  # recompute from the first bad block
         # Back off one token: the last prompt token runs again to produce logits (none to redo when P's
         # first token came along: it follows the prompt, and is computed next).
-        request.num_computed_tokens = min(loaded, request.num_tokens - 1)
+        first_token_ids = first_token_ids if not request.output_token_ids else ()  # (one from HTTP came first)
+        request.num_computed_tokens = min(loaded, request.num_tokens + len(first_token_ids) - 1)
         request.num_cached_tokens = request.num_computed_tokens
+        if first_token_ids:   # a token that ends the request finishes it here (its blocks go back)
+            self._updates.append(self._take_first_tokens(request, first_token_ids))
+            if request.is_finished:
+                return
         if request.num_computed_tokens == 0:
             # Nothing of the load is kept (it failed from its first block): start over as a new request, with
             # no blocks. It looks the prefix cache up again when scheduled (another request may have cached
@@ -393,7 +401,8 @@ class Scheduler:
                 self.kv.free(request)
             elif request_id in self.requests:
                 self._promote_loaded(self.requests[request_id], out.invalid_block_ids,
-                                     request_id in out.recompute_request_ids)
+                                     request_id in out.recompute_request_ids,
+                                     out.first_token_ids.get(request_id, ()))
 
     def _finish(self, request: Request, status: RequestStatus, emit: bool = True) -> dict | None:
         was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS

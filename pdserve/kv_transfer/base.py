@@ -19,7 +19,8 @@ Call points (same as vLLM v1's KVConnectorBase_V1):
     4. start_load_kv(meta) before the forward pass, wait_for_save() after it
     5. finished_sending, finished_recving = get_finished(); invalid blocks from
        get_block_ids_with_load_errors() (and get_recompute_request_ids(): failed loads to recompute
-       whatever the policy); the engine passes these back to the scheduler
+       whatever the policy; get_first_token_ids(): P's first token, where the load brought it); the
+       engine passes these back to the scheduler
   scheduler, when a request ends:
     6. delay_free, params = request_finished(request, block_ids)
        delay_free: keep the blocks until the request id shows up in finished_sending
@@ -167,6 +168,12 @@ class KVConnectorWorker(ABC):
         whatever kv_load_failure_policy says, because the router moved the computation here (push: its
         prefill hop failed before P wrote anything, as a failed pull prefill is routed straight to a D)."""
         return set()
+
+    def get_first_token_ids(self) -> dict[str, list[int]]:
+        """D: for requests in this step's finished_recving, the token P sampled after the prompt, where the
+        load itself brought it (push: in P's WRITE notification). D emits it and computes from it, as it
+        does with a pull's first_token_ids, instead of sampling the prompt's last position again."""
+        return {}
 
     def get_load_error(self, request_id: str) -> str | None:
         """Why the request's load failed, for the client's error message (once; None if unknown)."""

@@ -159,7 +159,7 @@ class NixlTransport:
         return False
 
     def _take_notifs(self) -> list[str]:
-        # Push's D: the transfer ids whose WRITE landed (also progresses the agent); pull overrides it.
+        # Push's D: the notifications of WRITEs that landed (also progresses the agent); pull overrides it.
         return [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
 
     def _disconnect(self, remote: RemoteEngine) -> None:
@@ -238,5 +238,6 @@ class NixlPushConnectorWorker(NixlTransport, PushConnectorWorker):
         check_same_tp_size(1, reply, engine_id)   # (a D of T ranks: its blocks hold 1/T of the heads)
         super()._check_remote_region(region, reply, engine_id)
 
-    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
-        return self._xfer("WRITE", remote, runs, transfer_id)  # notif: the transfer id, on D's agent
+    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]],
+               notif: str) -> tuple[Any, str]:
+        return self._xfer("WRITE", remote, runs, notif)  # (delivered to D's agent after the data)

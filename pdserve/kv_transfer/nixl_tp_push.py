@@ -1,12 +1,12 @@
 """The `nixl-push` handoff between tensor-parallel instances of the same size.
 
-P's rank r WRITEs its heads of the prompt's blocks into D's rank r, which holds the same heads (one
-descriptor per block run per rank, as with one rank), and each WRITE carries the transfer id as its NIXL
-notification to that D rank. A rank's data is in its blocks once its own notification has come, so D counts
-a push done only when every rank's has: rank 0's from its own agent, ranks 1..T-1's through the step's one
-poll of the ranks (made only while a push is under way on either side). A count whose last notifications
-never come (the WRITE failed on some rank: P says push_failed, or D's wait runs out) is dropped once D can
-no longer be waiting for it (NOTIF_TTL_S at least).
+P's rank r WRITEs its heads of the prompt's blocks into D's rank r, which holds the same heads (one descriptor
+per block run per rank, as with one rank), and every rank's WRITE carries the same NIXL notification (the
+transfer id and P's first token, push_lifecycle.write_notif) to its D rank. A rank's data is in its blocks
+once its own notification has come, so D counts a push done only when every rank's has: rank 0's from its own
+agent, ranks 1..T-1's through the step's one poll of the ranks (made only while a push is under way on either
+side). A count whose last notifications never come (the WRITE failed on some rank: P says push_failed, or D's
+wait runs out) is dropped once D can no longer be waiting for it (NOTIF_TTL_S at least).
 
 The lifecycle (announce, leases, heartbeats, push_failed) stays whole on rank 0 (push_lifecycle.py); only
 the transport hooks fan out (nixl_tp.RankFanOut). Between sizes, one rank's heads are strided in the
@@ -36,7 +36,7 @@ class TPNixlPushConnectorWorker(RankFanOut, NixlPushConnectorWorker):
         self.ranks, self.tp_size = ranks, ranks.size
         self._rank_states: list[dict[int, str]] = []
         self._rank_notifs: list[list[str]] = []                     # ranks 1..T-1's, from the step's poll
-        self._notified: dict[str, tuple[set[int], float]] = {}    # transfer id → (ranks notified, first at)
+        self._notified: dict[str, tuple[set[int], float]] = {}    # notification → (ranks notified, first at)
         super().__init__(config, engine_id, compat)
         self._init_ranks(ranks, num_kv_heads, False)
 
@@ -45,15 +45,17 @@ class TPNixlPushConnectorWorker(RankFanOut, NixlPushConnectorWorker):
         # (past NixlPushConnectorWorker's own check, which is for one rank: to the block size's)
         super(NixlPushConnectorWorker, self)._check_remote_region(region, reply, engine_id)
 
-    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
+    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]],
+               notif: str) -> tuple[Any, str]:
         local = [start + i for start, _, n in runs for i in range(n)]
         theirs = [start + i for _, start, n in runs for i in range(n)]
-        return self._post_ranks(transfer_id, remote, local, theirs, "WRITE", transfer_id)
+        return self._post_ranks(transfer_id, remote, local, theirs, "WRITE", notif)   # one notif, every rank
 
     def _post_write(self, transfer_id: str, local_block_ids: list[int], remote_block_ids: list[int],
-                    remote: RemoteEngine) -> tuple[Any, str, int, int]:
+                    remote: RemoteEngine, notif: str) -> tuple[Any, str, int, int]:
         """Every rank's descriptors and bytes (each rank writes its heads)."""
-        handle, state, _, num_bytes = super()._post_write(transfer_id, local_block_ids, remote_block_ids, remote)
+        handle, state, _, num_bytes = super()._post_write(transfer_id, local_block_ids, remote_block_ids, remote,
+                                                          notif)
         return handle, state, handle.num_descriptors, num_bytes * self.tp_size
 
     def get_finished(self) -> tuple[set[str], set[str]]:

@@ -13,12 +13,15 @@ other's HTTP answer. As this half sees it:
        the request parks in WAITING_FOR_REMOTE_KVS and the worker half announces the blocks to P
     3. the worker half reports the request in finished_recving when P's WRITE notification arrives, or
        with its blocks invalid when P says it will not write (kv_load_failure_policy applies), never
-       while a WRITE may still land in the blocks
+       while a WRITE may still land in the blocks. The notification carries the token P sampled after
+       the prompt: D emits it and computes from it, as a pull D does with P's token, so that its output
+       is P's prefill's, not a recomputation of the prompt's last position (which in bfloat16 may pick
+       another token on a near-tie)
   on P (producer), kv_transfer_params {"do_remote_decode": true, "transfer_id": T}:
     1. computed like any request (max_tokens=1)
-    2. request_finished → delay_free=True and a PushSendSpec: the worker half writes the blocks D
-       announced for T (now, or when the announce arrives) and reports finished_sending when the WRITE
-       is done, failed, or no D announced within a lease
+    2. request_finished → delay_free=True and a PushSendSpec (with P's sampled token): the worker half
+       writes the blocks D announced for T (now, or when the announce arrives) and reports
+       finished_sending when the WRITE is done, failed, or no D announced within a lease
     3. a request that ends without KV (aborted, an error) goes to reqs_not_sent: the worker half tells
        the D that announced T (now or later) that nothing will come
 The consumer side reuses pull's KeepAliveSpec (remote_request_id = T) and its release rule.
@@ -51,10 +54,12 @@ class PushRecvSpec:
 
 @dataclass(frozen=True)
 class PushSendSpec:
-    """P: the request's prompt blocks, to be written where D announced for transfer_id."""
+    """P: the request's prompt blocks, to be written where D announced for transfer_id. first_token_ids:
+    the token P sampled after the prompt; it travels in the WRITE's notification, and D starts from it."""
     request_id: str
     transfer_id: str
     block_ids: list[int]
+    first_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -168,7 +173,8 @@ class PushConnectorScheduler(KVConnectorScheduler):
             self._meta.reqs_not_sent.append((request.request_id, transfer_id))
             return False, None
         num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
-        self._meta.reqs_to_send.append(PushSendSpec(request.request_id, transfer_id, list(block_ids[:num_prompt_blocks])))
+        self._meta.reqs_to_send.append(PushSendSpec(request.request_id, transfer_id, list(block_ids[:num_prompt_blocks]),
+                                                    tuple(request.output_token_ids[:1])))
         return True, {"transfer_id": transfer_id, "handoff": "push", "remote_engine_id": self.engine_id,
                       "num_remote_tokens": request.num_prompt_tokens}
 

@@ -25,7 +25,8 @@ On P (producer), per transfer (a Send), states WAITING → WRITING (→ QUARANTI
     while its request queues without blocks, and its waits afterwards); past it the Send expires: its
     blocks are freed, the D it knows is told
   - with both halves: handshake with that D boot (once; a failed handshake is tried again after
-    PEER_RETRY_S), then one WRITE (one descriptor per coalesced run, notif = the transfer id) under
+    PEER_RETRY_S), then one WRITE (one descriptor per coalesced run; its notification names the transfer
+    id and carries the token P sampled after the prompt, write_notif) under
     write_timeout; done → "written"; an error, a refusal or the deadline → "failed" and a push_failed
     message to D once nothing writes (a WRITE the transport cannot abort stays QUARANTINED, P's blocks held)
   - a release from D (its request ended, or the router's) ends a WAITING Send at once ("released"); a
@@ -42,6 +43,7 @@ push_failed messages on the Receiver's event queue; transport calls run on the e
 """
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -72,6 +74,25 @@ PEER_RETRY_S = 1.0         # P: a failed handshake with a D is tried again after
 # What P answers for a transfer it will never write (D may give the blocks back at once).
 NEVER_WRITTEN = ("released", "failed", "expired", "unknown", "stale_boot", "busy", "duplicate")
 ALIVE = ("waiting", "writing", "quarantined", "written")
+
+
+def write_notif(transfer_id: str, first_token_ids: tuple[int, ...] | list[int] = ()) -> str:
+    """The WRITE's notification, which D's transport delivers once the data is in D's blocks: the transfer
+    id and P's first token (JSON: a transfer id may hold any character)."""
+    return json.dumps([transfer_id, list(first_token_ids)])
+
+
+def read_notif(message: str) -> tuple[str, list[int]] | None:
+    """(transfer id, first token ids) of a write_notif message; None for anything else."""
+    try:
+        value = json.loads(message)
+    except ValueError:
+        return None
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+            and isinstance(value[1], list) and len(value[1]) <= 1
+            and all(type(t) is int and t >= 0 for t in value[1])):
+        return None
+    return value[0], value[1]
 
 
 def write_timeout(config: KVTransferConfig) -> float:
@@ -128,6 +149,7 @@ class Send:
     posted_at: float = 0.0
     num_bytes: int = 0
     num_descriptors: int = 0
+    first_token_ids: tuple[int, ...] = ()   # what P sampled after the prompt: in the notification
 
 
 @dataclass
@@ -177,6 +199,7 @@ class Pusher:
                 if send is None:
                     send = self.sends[spec.transfer_id] = Send(spec.transfer_id, now + self.lease_s)
                 send.request_id, send.block_ids = spec.request_id, list(spec.block_ids)
+                send.first_token_ids = tuple(spec.first_token_ids)
                 send.deadline = max(send.deadline, now + self.lease_s)
             for request_id, transfer_id in meta.reqs_not_sent:  # P's request ended without KV
                 send = self.sends.get(transfer_id)
@@ -236,7 +259,8 @@ class Pusher:
         send.posted_at = self.clock()  # (the step's `now` may be long past: a WRITE can be done at once)
         try:
             send.handle, state, send.num_descriptors, send.num_bytes = self.t._post_write(
-                send.transfer_id, local_ids, list(target.block_ids), peer.remote)
+                send.transfer_id, local_ids, list(target.block_ids), peer.remote,
+                write_notif(send.transfer_id, send.first_token_ids))
         except Exception as e:  # nothing posted
             logger.warning("push of %s: posting the WRITE to %s failed: %s", send.transfer_id, target.engine_id, e)
             return self._fail(send, str(e) if isinstance(e, ValueError) else "the transfer could not be posted",
@@ -564,6 +588,7 @@ class Receiver:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self.clients = side_channel.PeerClients(config.auth_key, self.timeout, self._events, clock)
         self._finished: set[str] = set()
+        self.first_tokens: dict[str, list[int]] = {}   # D's request id → P's token, reported with _finished
         self.to_recompute: set[str] = set()   # D's request ids: failed loads the scheduler recomputes
         self._next_heartbeat = self._next_sweep = 0.0
         self.num_failures = self.num_quarantined = 0
@@ -637,11 +662,21 @@ class Receiver:
 
     # ---- each step ----
     def step(self, notified: list[str]) -> set[str]:
+        """notified: write_notif messages of WRITEs done. Returns finished_recving; P's tokens for them
+        are in first_tokens until the next step."""
         while not self._events.empty():
             self._apply_event(self._events.get_nowait())
-        for transfer_id in notified:  # the WRITE is done: its data is in the blocks
+        self.first_tokens = {}
+        for message in notified:  # the WRITE is done: its data is in the blocks
+            parsed = read_notif(message)
+            if parsed is None:
+                logger.warning("push: a WRITE notification that is not a transfer's: %.80r", message)
+                continue
+            transfer_id, first_token_ids = parsed
             recv = self._by_transfer.get(transfer_id)
             if recv is not None and recv.is_reported:
+                if first_token_ids and not recv.is_cancelled:
+                    self.first_tokens[recv.spec.request_id] = first_token_ids
                 self._end(recv)
         if self.recvs:
             now = self.clock()

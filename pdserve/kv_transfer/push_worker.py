@@ -4,11 +4,12 @@ Receiver (D), over an abstract transport.
 Side-channel message types this half serves: handshake (transport_worker's: P fetches D's memory
 description before its first WRITE to that D), and announce, heartbeat, release (D → P), push_failed
 (P → D). Hooks a transport fills, beside transport_worker's (_register, _connect, ...):
-  _write(transfer_id, remote, runs) → (handle, "PROC" | "DONE" | "ERR")   one WRITE with a notification
-                           (the transfer id) that D's transport delivers after the data
+  _write(transfer_id, remote, runs, notif) → (handle, "PROC" | "DONE" | "ERR")   one WRITE with a
+                           notification (notif: push_lifecycle.write_notif) that D's transport delivers
+                           after the data
   _check(handle), _release(handle): as pull's (raise from _release when an active transfer cannot be
                            aborted: the Send stays quarantined, P's blocks held)
-  _take_notifs() → transfer ids whose WRITE into this instance is done (D side)
+  _take_notifs() → the notifications of WRITEs into this instance that are done (D side)
 Every instance runs both halves: one with kv_role both can prefill for one request and decode another.
 """
 from __future__ import annotations
@@ -36,7 +37,8 @@ class PushConnectorWorker(TransportWorker):
         self.receiver = Receiver(self, config)
 
     # ---- transport hooks ----
-    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
+    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]],
+               notif: str) -> tuple[Any, str]:
         raise NotImplementedError
 
     def _check(self, handle: Any) -> str:
@@ -67,6 +69,9 @@ class PushConnectorWorker(TransportWorker):
         self.pusher.release(request_ids)
         self.receiver.abandon(request_ids)
 
+    def get_first_token_ids(self) -> dict[str, list[int]]:
+        return self.receiver.first_tokens
+
     def get_recompute_request_ids(self) -> set[str]:
         taken, self.receiver.to_recompute = self.receiver.to_recompute, set()
         return taken
@@ -85,7 +90,7 @@ class PushConnectorWorker(TransportWorker):
 
     # ---- for the lifecycle ----
     def _post_write(self, transfer_id: str, local_block_ids: list[int], remote_block_ids: list[int],
-                    remote: RemoteEngine) -> tuple[Any, str, int, int]:
+                    remote: RemoteEngine, notif: str) -> tuple[Any, str, int, int]:
         """(handle, state, descriptors, bytes); ValueError when the ids do not fit either cache."""
         local = self._region
         if local is None:
@@ -95,7 +100,7 @@ class PushConnectorWorker(TransportWorker):
         if not (0 <= min(remote_block_ids) and max(remote_block_ids) < remote.region.num_blocks):
             raise ValueError(f"the decode instance's block id out of range [0, {remote.region.num_blocks})")
         runs = coalesce(local_block_ids, remote_block_ids)
-        handle, state = self._write(transfer_id, remote, runs)
+        handle, state = self._write(transfer_id, remote, runs, notif)
         return handle, state, len(runs), len(local_block_ids) * local.block_bytes
 
     def num_blocks(self) -> int | None:

@@ -83,12 +83,15 @@ def contiguous_run(values: list[int]) -> slice | None:
     return slice(first, first + len(values)) if values == list(range(first, first + len(values))) else None
 
 
-def connector_output(connector: KVConnectorWorker) -> KVConnectorOutput:
+def connector_output(connector: KVConnectorWorker, vocab_size: int) -> KVConnectorOutput:
     """The worker half's report after a step (its forward pass done)."""
     connector.wait_for_save()
     finished_sending, finished_recving = connector.get_finished()
+    # A token outside the vocabulary would fail the step that computes it: D samples that one itself.
+    first_token_ids = {request_id: ids for request_id, ids in connector.get_first_token_ids().items()
+                       if request_id in finished_recving and all(0 <= t < vocab_size for t in ids)}
     return KVConnectorOutput(finished_sending, finished_recving, connector.get_block_ids_with_load_errors(),
-                             connector.get_recompute_request_ids())
+                             connector.get_recompute_request_ids(), first_token_ids)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -202,7 +205,7 @@ class ModelRunner:
         sampled = handle.wait()
         if self.connector is None:
             return ModelRunnerOutput(sampled)
-        return ModelRunnerOutput(sampled, connector_output(self.connector))
+        return ModelRunnerOutput(sampled, connector_output(self.connector, self.info.vocab_size))
 
     def _run(self, out: SchedulerOutput) -> dict[str, int]:
         return self._launch(out).wait()

@@ -244,7 +244,7 @@ class TPExecutor:
         output = self.runner.collect(handle)
         if self._connector is None:
             return output
-        return ModelRunnerOutput(output.sampled_token_ids, connector_output(self._connector))
+        return ModelRunnerOutput(output.sampled_token_ids, connector_output(self._connector, self.info.vocab_size))
 
     def call(self, op: str, per_rank_args: list[tuple] | None = None) -> list:
         """Run `op` on ranks 1..T-1 (RankCalls), each with its args; their results in rank order. A

@@ -39,7 +39,7 @@ class FakeRunner:
         if self.connector is not None:
             sending, recving = self.connector.get_finished()
             conn = KVConnectorOutput(sending, recving, self.connector.get_block_ids_with_load_errors(),
-                                     self.connector.get_recompute_request_ids())
+                                     self.connector.get_recompute_request_ids(), self.connector.get_first_token_ids())
         return ModelRunnerOutput(sampled, conn)
 
 

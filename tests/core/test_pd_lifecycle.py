@@ -345,6 +345,62 @@ def test_a_first_token_that_ends_the_request_finishes_it_on_d_and_p_lets_go(pd, 
     assert_no_leaks(p.s), assert_no_leaks(d.s)
 
 
+def load_brings_first_token(d, request_id, token_ids):
+    """D's worker half reports request_id's load with P's token, as the push handoff does (in P's WRITE
+    notification); the loopback connector stands in for the transport."""
+    get_finished = d.conn_w.get_finished
+    brought = {}
+
+    def finished():
+        sending, recving = get_finished()
+        brought.clear()
+        if request_id in recving:
+            brought[request_id] = list(token_ids)
+        return sending, recving
+    d.conn_w.get_finished = finished
+    d.conn_w.get_first_token_ids = lambda: dict(brought)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 4, 13])
+def test_a_first_token_the_load_brings_goes_out_first_and_d_decodes_from_it(pd, prompt_len):
+    """Push: P's token arrives with the KV (not over HTTP before it). D computed the prompt's last position
+    again instead, which on a GPU in bfloat16 gave another token than P's prefill on a near-tie (session 47).
+    P's token here is one D would never sample, so that only taking it passes."""
+    p, d = pd
+    prompt = list(range(100, 100 + prompt_len))
+    params = run_p(p, "req", prompt)
+    del params["first_token_ids"]
+    ps_token = (fake_token(prompt_len - 1) + 1) % 1000
+    load_brings_first_token(d, "req", [ps_token])
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=6), kv_transfer_params=params))
+    tokens, computed = drive(d)
+    assert tokens == [ps_token] + [fake_token(prompt_len + i) for i in range(5)]
+    assert [n for n in computed if n] == [1] * 5   # nothing of the prompt computed again
+    p.drain()
+    assert_no_leaks(p.s), assert_no_leaks(d.s)
+
+
+@pytest.mark.parametrize("how", ["max_tokens", "eos"])
+def test_a_first_token_the_load_brings_can_end_the_request(pd, how):
+    p, d = pd
+    prompt = list(range(30))
+    params = run_p(p, "req", prompt)
+    first = params.pop("first_token_ids")
+    max_tokens, eos = (1, ()) if how == "max_tokens" else (5, tuple(first))
+    load_brings_first_token(d, "req", first)
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=max_tokens), eos, kv_transfer_params=params))
+    updates = []
+    for _ in range(20):
+        updates += d.step()[1]
+        if any(u.finished for u in updates):
+            break
+    assert [(u.new_token_ids, u.finished) for u in updates if u.new_token_ids or u.finished] == [(first, True)]
+    assert updates[-1].request.status == (RequestStatus.FINISHED_LENGTH_CAPPED if how == "max_tokens"
+                                          else RequestStatus.FINISHED_STOPPED)
+    d.drain(), p.drain()
+    assert_no_leaks(p.s), assert_no_leaks(d.s)
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_a_first_token_then_a_failed_load(policy):
     p = Instance("producer", "P3")

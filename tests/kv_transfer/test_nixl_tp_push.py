@@ -84,8 +84,10 @@ def test_every_p_rank_writes_its_heads_into_the_d_rank_holding_them(make_tp):
     p_caches, d_caches = [filled(0), filled(1)], [torch.zeros(RANK_SHAPE), torch.zeros(RANK_SHAPE)]
     p, d = make_tp("producer", p_caches), make_tp("consumer", d_caches)
     d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[7, 8, 12], first=1)]))
-    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [10, 11, 12, 13])]))
-    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [10, 11, 12, 13], (4242,))]))
+    tokens = {}
+    poll([p, d], lambda s, r: tokens.update(d.get_first_token_ids()) or ("p-req" in s and "d-req" in r))
+    assert tokens == {"d-req": [4242]}   # P's first token, in every rank's notification
     for rank in (0, 1):
         assert torch.equal(d_caches[rank][[7, 8, 12]], p_caches[rank][[11, 12, 13]]), rank
     assert torch.count_nonzero(d_caches[1][[0, 1, 2, 9, 10]]) == 0

@@ -57,6 +57,27 @@ def test_write_lands_in_the_announced_blocks_announce_first(make_worker):
     assert_idle(p, d)
 
 
+def test_the_writes_notification_brings_ps_first_token_to_d(make_worker):
+    """With push, D computed the prompt's last position again to sample its first token; in bfloat16 that
+    can pick another token than P's prefill on a near-tie (one request in three on an H100, session 47).
+    P's token now comes with the WRITE's notification, for D to start from as pull's D does."""
+    p, d = make_worker("producer", filled(0)), make_worker("consumer", torch.zeros(KV_SHAPE))
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, transfer_id='t"1|\n', local=[4, 5])]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", 't"1|\n', [1, 2], (977,))]))
+    tokens = {}
+    poll([p, d], lambda s, r: tokens.update(d.get_first_token_ids()) or ("p-req" in s and "d-req" in r))
+    assert tokens == {"d-req": [977]}
+    d.get_finished()
+    assert d.get_first_token_ids() == {}   # reported once, with the receive
+    assert_idle(p, d)
+
+
+def test_a_notification_that_is_not_a_transfers_is_ignored(make_worker):
+    d = make_worker("consumer", torch.zeros(KV_SHAPE))
+    for message in ["t1", "", "[1, 2]", '["t1", [-1]]', '["t1", [1, 2]]', '["t1", [true]]', "{", '["t1"]']:
+        assert d.receiver.step([message]) == set() and d.get_first_token_ids() == {}
+
+
 def test_write_after_prefill_when_the_announce_comes_second(make_worker):
     p_cache, d_cache = filled(1), torch.zeros(KV_SHAPE)
     p, d = make_worker("producer", p_cache), make_worker("consumer", d_cache)
@@ -219,7 +240,7 @@ class StuckWrite:
     """A transport whose WRITE never ends and cannot be aborted (NIXL raising from release)."""
 
     def __init__(self, worker):
-        worker._write = lambda transfer_id, remote, runs: (object(), "PROC")
+        worker._write = lambda transfer_id, remote, runs, notif: (object(), "PROC")
         worker._check = lambda handle: "PROC"
         worker._release = self.release
 
