@@ -18,7 +18,7 @@ token between the connectors. Prints and saves JSON.
 --concurrency C keeps C requests in flight (a closed loop; under load): TTFT p50 and p90, requests per
 second, and the handoff's time per request then include the queueing that load brings.
 
---tp-pairs P:D,... (issue 17; `nixl`, and `nixl-push` where P and D are of one size): the same for P and D of
+--tp-pairs P:D,... (issue 17; `nixl` and `nixl-push`): the same for P and D of
 those tensor-parallel sizes, e.g. `--connectors nixl --tp-pairs 1:1,3:3,3:1,1:3 --device cpu` (the default
 model's 3 KV heads) or `1:1,2:2,2:1,1:2` on two GPUs (an instance of T ranks takes T consecutive GPUs from its own in --gpus, wrapping round): per
 request also the bytes and NIXL descriptors D's ranks moved.

@@ -33,7 +33,7 @@ import time
 import urllib.request
 from typing import IO, Mapping, Sequence
 
-from pdserve.config import API_KEY_ENV, PUSH_KV_CONNECTORS, ROUTER_KEY_ENV, TP_KV_CONNECTORS
+from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV, TP_KV_CONNECTORS
 from pdserve.stop_signals import IGNORE_SIGINT_ENV, SAME_STOP_S, claim_sigint
 
 HEALTH_TIMEOUT_S = 600
@@ -355,14 +355,9 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
               f"instances only for now ({', '.join(TP_KV_CONNECTORS)} hands over a tensor-parallel instance's KV)",
               file=sys.stderr)
         return 2
-    if kv_connector in PUSH_KV_CONNECTORS and len(set(handing_over)) > 1:
-        print(f"pdserve up: prefill and decode instances of --tensor-parallel-size {sorted(set(handing_over))}: "
-              f"a push handoff (--kv-connector {kv_connector}) needs the same size on both sides (P writes each "
-              f"rank's KV heads into the D rank holding the same ones)", file=sys.stderr)
-        return 2
     if handing_over and any(max(a, b) % min(a, b) for a in handing_over for b in handing_over):
         print(f"pdserve up: prefill and decode instances of --tensor-parallel-size {sorted(set(handing_over))}: "
-              f"of two sizes one must divide the other (a D rank reads its heads from whole P ranks)",
+              f"of two sizes one must divide the other (a D rank's KV heads come from whole P ranks)",
               file=sys.stderr)
         return 2
     # Every port first: a cluster already on them answers /health, and this one would report itself

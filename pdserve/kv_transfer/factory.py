@@ -45,7 +45,7 @@ def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str
         worker = CudaIpcConnectorWorker(config, engine_id, compat)
         host, port = config.side_channel_host, worker.side_channel_port
     elif config.kv_connector == "nixl-push":
-        if ranks is not None:
+        if ranks is not None or num_kv_heads:   # (also one rank: its peer may be tensor-parallel)
             from pdserve.kv_transfer.nixl_tp_push import TPNixlPushConnectorWorker
             push_worker: KVConnectorWorker = TPNixlPushConnectorWorker(config, engine_id, compat, ranks,
                                                                        num_kv_heads or 0)

@@ -38,6 +38,7 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.pull_worker_common import Load, PullConnectorWorker, Region, RemoteEngine
+from pdserve.kv_transfer.push_lifecycle import write_notif
 from pdserve.kv_transfer.push_worker import PushConnectorWorker
 from pdserve.kv_transfer.transport_worker import check_same_tp_size
 
@@ -239,5 +240,6 @@ class NixlPushConnectorWorker(NixlTransport, PushConnectorWorker):
         super()._check_remote_region(region, reply, engine_id)
 
     def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]],
-               notif: str) -> tuple[Any, str]:
-        return self._xfer("WRITE", remote, runs, notif)  # (delivered to D's agent after the data)
+               first_token_ids: tuple[int, ...]) -> tuple[Any, str]:
+        # (the notification reaches D's agent after the data)
+        return self._xfer("WRITE", remote, runs, write_notif(transfer_id, first_token_ids))

@@ -47,7 +47,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import (NixlConnectorWorker, ProgressWhileHolding, new_agent, post_transfer,
                                       transfer_state)
 from pdserve.kv_transfer.pull_worker_common import Load, Region, RemoteEngine
-from pdserve.kv_transfer.transport_worker import coalesce, region_of, remote_tp_size
+from pdserve.kv_transfer.transport_worker import TransportWorker, coalesce, region_of, remote_tp_size
 from pdserve.parallel.group import RankCallError
 
 logger = logging.getLogger(__name__)
@@ -153,11 +153,9 @@ class RankReader:
 
     def post(self, key: str, local_block_ids: list[int], remote_block_ids: list[int], op: str = "READ",
              notif: str = "") -> tuple[int, str, int]:
-        """(transfer id here, state, NIXL descriptors posted). A WRITE (push, with its notification) goes
-        only to a remote of the same size: this rank's heads are the remote rank's."""
+        """(transfer id here, state, NIXL descriptors posted). A WRITE (push) carries its notification to
+        every remote rank it writes into (write_plan)."""
         remote_tp, agents = self.remotes[key]
-        if op == "WRITE" and remote_tp != self.tp_size:
-            raise ValueError(f"a push needs the same tensor-parallel size: {self.tp_size} here, {remote_tp} remote")
         plan = read_plan(self.tp_size, self.rank, remote_tp, self.num_kv_heads)
         read = _Read([], plan, list(local_block_ids))
         try:
@@ -166,6 +164,9 @@ class RankReader:
                 runs = coalesce(local_block_ids, remote_block_ids)
                 read.xfers.append(post_transfer(self.agent, op, self.region, region, name, runs, notif.encode())[0])
                 num_descriptors = len(runs)
+            elif op == "WRITE":
+                read.is_copied = True   # (nothing to copy in here afterwards)
+                num_descriptors = self._post_write_between_sizes(read, agents, remote_tp, remote_block_ids, notif)
             else:
                 num_descriptors = self._post_staged(read, agents, remote_tp, remote_block_ids)
         except Exception:
@@ -175,22 +176,62 @@ class RankReader:
         self._reads[read_id] = read
         return read_id, self._state(read), num_descriptors
 
-    def _post_staged(self, read: _Read, agents: dict, remote_tp: int, remote_block_ids: list[int]) -> int:
+    def _post_staged(self, read: _Read, agents: dict, remote_tp: int, remote_block_ids: list[int], op: str = "READ",
+                     notif: str = "") -> int:
+        """Through a staging buffer registered for the transfer, in the remote ranks' block layout: a READ lands
+        there and is copied into the cache once done (_state); a WRITE (push to a D of more ranks, whose
+        heads are a part of ours) sends each remote rank its heads of the blocks, copied there first."""
         n = len(remote_block_ids)
         layers, _, slots, _, dim = self.kv_cache.shape[1:]
         remote_heads = self.num_kv_heads // remote_tp
         # [pieces * n, layers, 2, slots, remote heads, dim]: piece j's blocks at j * n ..
         read.staging = torch.empty((len(read.plan) * n, layers, 2, slots, remote_heads, dim),
                                    dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        if op == "WRITE":
+            index = torch.tensor(read.local_block_ids, device=self.kv_cache.device)
+            for j, p in enumerate(read.plan):
+                read.staging[j * n:(j + 1) * n] = self.kv_cache[index, :, :, :, p.dst_head:p.dst_head + p.num_heads]
+            if read.staging.is_cuda:   # NIXL reads the staging by DMA, outside the stream that fills it
+                torch.cuda.current_stream(read.staging.device).synchronize()
         read.staging_reg = self.agent.register_memory(read.staging)
         staging = region_of(read.staging)
         num_descriptors = 0
         for j, piece in enumerate(read.plan):
             name, region = agents[piece.remote_rank]
             runs = coalesce(list(range(j * n, (j + 1) * n)), remote_block_ids)
-            read.xfers.append(post_transfer(self.agent, "READ", staging, region, name, runs, b"")[0])
+            read.xfers.append(post_transfer(self.agent, op, staging, region, name, runs, notif.encode())[0])
             num_descriptors += len(runs)
         return num_descriptors
+
+    def _post_write_between_sizes(self, read: _Read, agents: dict, remote_tp: int, remote_block_ids: list[int],
+                                  notif: str) -> int:
+        """Push to a D of another size. D of fewer ranks (k = ours / its): this rank's heads are a contiguous
+        k-th of each slot there, strided in D's blocks, so it writes its blocks whole into the k-th part of
+        each run of D's blocks (grouped_layout), one descriptor per run; D regroups once every rank's has
+        come (regroup). D of more ranks: this rank's heads cover k D ranks, each sent its own through a
+        staging buffer (_post_staged)."""
+        if remote_tp > self.tp_size:
+            return self._post_staged(read, agents, remote_tp, remote_block_ids, "WRITE", notif)
+        k = self.tp_size // remote_tp
+        name, region = agents[read.plan[0].remote_rank]
+        # D's cache seen in blocks of our size: its block b is our-sized blocks b*k .. b*k+k-1
+        fine = Region(region.base_addr, region.num_blocks * k, region.block_bytes // k, region.mem_type,
+                      region.device_id)
+        if fine.block_bytes * k != region.block_bytes or fine.block_bytes != self.region.block_bytes:
+            raise ValueError(f"a block of {region.block_bytes} bytes there does not hold {k} of "
+                             f"{self.region.block_bytes} bytes here")
+        runs = coalesce(read.local_block_ids, grouped_layout(remote_block_ids, k, self.rank % k))
+        read.xfers.append(post_transfer(self.agent, "WRITE", self.region, fine, name, runs, notif.encode())[0])
+        return len(runs)
+
+    def regroup(self, block_ids: list[int], k: int) -> None:
+        """D: k ranks of a bigger P wrote their heads of these blocks in grouped_layout; put every head back
+        in its place in each slot ([blocks, layers, 2, slots, heads, dim])."""
+        for start, n in runs_of(block_ids):
+            run = self.kv_cache[start:start + n]
+            layers, _, slots, heads, dim = run.shape[1:]
+            grouped = run.reshape(-1).view(k, n, layers, 2, slots, heads // k, dim).clone()
+            run.copy_(grouped.permute(1, 2, 3, 4, 0, 5, 6).reshape(run.shape))
 
     def _state(self, read: _Read) -> str:
         states = [transfer_state(self.agent, x) for x in read.xfers]
@@ -217,7 +258,7 @@ class RankReader:
 
     def poll_writes(self) -> tuple[dict[int, str], list[str]]:
         """Push: the state of every WRITE posted here (P), and the notifications of WRITEs into this rank
-        that arrived since the last call (D: transfer ids); progresses the agent."""
+        that arrived since the last call (D: write_notif messages); progresses the agent."""
         states = {i: self._state(r) for i, r in self._reads.items()}
         notifs = [m.decode() for messages in self.agent.get_new_notifs().values() for m in messages if m]
         return states, notifs
@@ -249,6 +290,27 @@ class RankReader:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None
         self.kv_cache = None
+
+
+def runs_of(block_ids: list[int]) -> list[tuple[int, int]]:
+    """(first block, count) of each maximal run of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and b == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def grouped_layout(block_ids: list[int], k: int, part: int) -> list[int]:
+    """Where part `part` of k (a P rank, of the k that hold one D rank's heads) writes its blocks in D's
+    blocks, in units of 1/k of D's block: each run of n consecutive D blocks takes the k parts one after
+    the other, n of our blocks each, so that one descriptor per run moves a part (D regroups afterwards)."""
+    out = []
+    for start, n in runs_of(block_ids):
+        out += [start * k + part * n + i for i in range(n)]
+    return out
 
 
 def combine(states: list[str]) -> str:
@@ -318,13 +380,16 @@ class RankFanOut:
         remote.conn = (remote.conn, key, len(entries))
 
     def _post_ranks(self, request_id: str, remote: RemoteEngine, local_block_ids: list[int],
-                    remote_block_ids: list[int], op: str, notif: str = "") -> tuple[_TPHandle, str]:
+                    remote_block_ids: list[int], op: str, notifs: list[str] | None = None) -> tuple[_TPHandle, str]:
+        """notifs: each rank's notification (a WRITE's), rank 0's first."""
         _, key, _ = remote.conn
-        transfer_id, state0, num_descriptors = self.local.post(key, local_block_ids, remote_block_ids, op, notif)
+        notifs = notifs or [""] * self.tp_size
+        transfer_id, state0, num_descriptors = self.local.post(key, local_block_ids, remote_block_ids, op,
+                                                               notifs[0])
         handle = _TPHandle([transfer_id], num_descriptors)
         try:
-            posted = self._call("kv_post", [(key, local_block_ids, remote_block_ids, op, notif)]
-                                * (self.tp_size - 1))
+            posted = self._call("kv_post", [(key, local_block_ids, remote_block_ids, op, notif)
+                                            for notif in notifs[1:]])
         except RankCallError as error:
             # Some ranks posted: the transfer fails through the lifecycle's ERR path, which lets every posted
             # transfer go before the blocks go back to the pool (or quarantines them while one cannot be aborted).
@@ -360,6 +425,18 @@ class RankFanOut:
         if any(r is not None for r in rest):
             self._call("kv_release", [(r,) for r in rest])   # (None: that rank holds nothing)
             handle.read_ids[1:] = [None] * len(rest)
+
+    def _check_tp_pair(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
+        """RuntimeError naming the peer when its blocks cannot pair with ours: of the same size, a block of
+        another size; of another size, sizes of which neither divides the other."""
+        remote_tp = remote_tp_size(reply)
+        if remote_tp == self.tp_size:
+            TransportWorker._check_remote_region(self, region, reply, engine_id)
+        else:   # a rank's block is another size there: the plan must exist
+            try:
+                read_plan(self.tp_size, 0, remote_tp, self.local.num_kv_heads)
+            except ValueError as e:
+                raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: {e}") from None
 
     def _disconnect(self, remote: RemoteEngine) -> None:
         agent0, key, _ = remote.conn
@@ -398,14 +475,7 @@ class TPNixlConnectorWorker(RankFanOut, NixlConnectorWorker):
             self._ranks_holding = True
 
     def _check_remote_region(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
-        remote_tp = remote_tp_size(reply)
-        if remote_tp == self.tp_size:
-            super()._check_remote_region(region, reply, engine_id)
-        else:   # a rank's block is another size there: the plan must exist
-            try:
-                read_plan(self.tp_size, 0, remote_tp, self.local.num_kv_heads)
-            except ValueError as e:
-                raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: {e}") from None
+        self._check_tp_pair(region, reply, engine_id)
 
     def _post(self, load: Load, remote: RemoteEngine, runs: list[tuple[int, int, int]]) -> tuple[Any, str]:
         spec = load.spec

@@ -51,7 +51,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer import side_channel
@@ -68,6 +68,7 @@ MAX_TOMBSTONES = 1 << 12   # P: releases for ids it did not know (one lease peri
 MAX_SENDS = 1 << 15        # P: live transfers, announce-only ones included (more are answered "busy")
 MAX_PEERS = 256            # P: distinct D side channels its live transfers name (more: "busy")
 MAX_IDS_PER_MESSAGE = 1 << 12
+MAX_TP_SIZE = 1 << 10      # (what a notification may claim)
 MAX_ABANDONED = 1 << 12    # D: the router's releases for transfers not here yet (one lease period)
 PEER_IDLE_S = 60.0
 PEER_RETRY_S = 1.0         # P: a failed handshake with a D is tried again after this
@@ -76,23 +77,32 @@ NEVER_WRITTEN = ("released", "failed", "expired", "unknown", "stale_boot", "busy
 ALIVE = ("waiting", "writing", "quarantined", "written")
 
 
-def write_notif(transfer_id: str, first_token_ids: tuple[int, ...] | list[int] = ()) -> str:
-    """The WRITE's notification, which D's transport delivers once the data is in D's blocks: the transfer
-    id and P's first token (JSON: a transfer id may hold any character)."""
-    return json.dumps([transfer_id, list(first_token_ids)])
+class WriteNotif(NamedTuple):
+    transfer_id: str
+    first_token_ids: list[int]
+    rank: int      # the P rank that wrote, of tp_size (a tensor-parallel D counts every rank's)
+    tp_size: int
 
 
-def read_notif(message: str) -> tuple[str, list[int]] | None:
-    """(transfer id, first token ids) of a write_notif message; None for anything else."""
+def write_notif(transfer_id: str, first_token_ids: tuple[int, ...] | list[int] = (), rank: int = 0,
+                tp_size: int = 1) -> str:
+    """A WRITE's notification, which D's transport delivers once the data is in D's blocks: the transfer id,
+    P's first token and the writing rank (JSON: a transfer id may hold any character)."""
+    return json.dumps([transfer_id, list(first_token_ids), rank, tp_size])
+
+
+def read_notif(message: str) -> WriteNotif | None:
+    """A write_notif message's fields; None for anything else."""
     try:
         value = json.loads(message)
     except ValueError:
         return None
-    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+    if not (isinstance(value, list) and len(value) == 4 and isinstance(value[0], str)
             and isinstance(value[1], list) and len(value[1]) <= 1
-            and all(type(t) is int and t >= 0 for t in value[1])):
+            and all(type(t) is int and t >= 0 for t in value[1])
+            and type(value[2]) is int and type(value[3]) is int and 0 <= value[2] < value[3] <= MAX_TP_SIZE):
         return None
-    return value[0], value[1]
+    return WriteNotif(*value)
 
 
 def write_timeout(config: KVTransferConfig) -> float:
@@ -259,8 +269,7 @@ class Pusher:
         send.posted_at = self.clock()  # (the step's `now` may be long past: a WRITE can be done at once)
         try:
             send.handle, state, send.num_descriptors, send.num_bytes = self.t._post_write(
-                send.transfer_id, local_ids, list(target.block_ids), peer.remote,
-                write_notif(send.transfer_id, send.first_token_ids))
+                send.transfer_id, local_ids, list(target.block_ids), peer.remote, send.first_token_ids)
         except Exception as e:  # nothing posted
             logger.warning("push of %s: posting the WRITE to %s failed: %s", send.transfer_id, target.engine_id, e)
             return self._fail(send, str(e) if isinstance(e, ValueError) else "the transfer could not be posted",
@@ -672,7 +681,7 @@ class Receiver:
             if parsed is None:
                 logger.warning("push: a WRITE notification that is not a transfer's: %.80r", message)
                 continue
-            transfer_id, first_token_ids = parsed
+            transfer_id, first_token_ids = parsed.transfer_id, parsed.first_token_ids
             recv = self._by_transfer.get(transfer_id)
             if recv is not None and recv.is_reported:
                 if first_token_ids and not recv.is_cancelled:
@@ -737,6 +746,16 @@ class Receiver:
                 for recv in batch:
                     recv.is_probing, recv.last_probe = True, now
                 self._send_release_of(batch)
+
+    def by_transfer(self, transfer_id: str) -> Recv | None:
+        """The receive with blocks (announced or about to be) for transfer_id, if any."""
+        recv = self._by_transfer.get(transfer_id)
+        return recv if recv is not None and recv.is_reported else None
+
+    def fail(self, recv: Recv, error: str) -> None:
+        """Every WRITE of the transfer is in, but its data could not be used here: report the load failed."""
+        if self._live(recv):
+            self._end(recv, error)
 
     def _end(self, recv: Recv, error: str | None = None) -> None:
         """The one way out: report (with its blocks invalid on an error) and forget."""

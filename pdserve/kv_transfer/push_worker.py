@@ -4,9 +4,9 @@ Receiver (D), over an abstract transport.
 Side-channel message types this half serves: handshake (transport_worker's: P fetches D's memory
 description before its first WRITE to that D), and announce, heartbeat, release (D → P), push_failed
 (P → D). Hooks a transport fills, beside transport_worker's (_register, _connect, ...):
-  _write(transfer_id, remote, runs, notif) → (handle, "PROC" | "DONE" | "ERR")   one WRITE with a
-                           notification (notif: push_lifecycle.write_notif) that D's transport delivers
-                           after the data
+  _write(transfer_id, remote, runs, first_token_ids) → (handle, "PROC" | "DONE" | "ERR")   one WRITE
+                           with a notification (push_lifecycle.write_notif: the transfer id, P's first
+                           token, the writing rank) that D's transport delivers after the data
   _check(handle), _release(handle): as pull's (raise from _release when an active transfer cannot be
                            aborted: the Send stays quarantined, P's blocks held)
   _take_notifs() → the notifications of WRITEs into this instance that are done (D side)
@@ -38,7 +38,7 @@ class PushConnectorWorker(TransportWorker):
 
     # ---- transport hooks ----
     def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]],
-               notif: str) -> tuple[Any, str]:
+               first_token_ids: tuple[int, ...]) -> tuple[Any, str]:
         raise NotImplementedError
 
     def _check(self, handle: Any) -> str:
@@ -90,7 +90,7 @@ class PushConnectorWorker(TransportWorker):
 
     # ---- for the lifecycle ----
     def _post_write(self, transfer_id: str, local_block_ids: list[int], remote_block_ids: list[int],
-                    remote: RemoteEngine, notif: str) -> tuple[Any, str, int, int]:
+                    remote: RemoteEngine, first_token_ids: tuple[int, ...] = ()) -> tuple[Any, str, int, int]:
         """(handle, state, descriptors, bytes); ValueError when the ids do not fit either cache."""
         local = self._region
         if local is None:
@@ -100,7 +100,7 @@ class PushConnectorWorker(TransportWorker):
         if not (0 <= min(remote_block_ids) and max(remote_block_ids) < remote.region.num_blocks):
             raise ValueError(f"the decode instance's block id out of range [0, {remote.region.num_blocks})")
         runs = coalesce(local_block_ids, remote_block_ids)
-        handle, state = self._write(transfer_id, remote, runs, notif)
+        handle, state = self._write(transfer_id, remote, runs, first_token_ids)
         return handle, state, len(runs), len(local_block_ids) * local.block_bytes
 
     def num_blocks(self) -> int | None:

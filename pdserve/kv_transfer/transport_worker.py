@@ -94,12 +94,12 @@ def remote_tp_size(reply: dict[str, Any]) -> int:
 
 
 def check_same_tp_size(tp_size: int, reply: dict[str, Any], engine_id: str) -> None:
-    """A push writes each rank's heads into the remote rank that holds the same ones: RuntimeError naming both
+    """For a worker half that writes each rank's heads into the remote rank that holds the same ones (the
+    one-rank push worker; engines push with nixl_tp_push's, which pairs sizes): RuntimeError naming both
     sizes unless they match."""
     if (remote := remote_tp_size(reply)) != tp_size:
-        raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: a push needs the same "
-                           f"tensor-parallel size on both sides, {tp_size} here and {remote} there "
-                           f"(--kv-connector nixl pulls between sizes of which one divides the other)")
+        raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: this push needs the same "
+                           f"tensor-parallel size on both sides, {tp_size} here and {remote} there")
 
 
 @dataclass

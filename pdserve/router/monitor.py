@@ -232,14 +232,10 @@ class Monitor:
             raise StartupError(f"{one.url} (--{one.role}) hands its KV over by {one.handoff} but {other.url} "
                                f"(--{other.role}) by {other.handoff}: every prefill and decode instance needs the "
                                f"same handoff (--kv-connector nixl or cuda_ipc: pull; nixl-push: push; store)")
-        # A D rank reads its KV heads from whole P ranks: of a P's and a D's tensor-parallel sizes one must
-        # divide the other; a push writes each rank's heads into the D rank of the same heads: the sizes
-        # must match (else every request would be prefilled, then refused at the handshake).
+        # A D rank's KV heads come from whole P ranks (read or written): of a P's and a D's tensor-parallel
+        # sizes one must divide the other (else every request would be prefilled, then refused at the handshake).
         for p in (inst for inst in pd if inst.role == "prefill"):
             for d in (inst for inst in pd if inst.role == "decode"):
-                if p.handoff == "push" and p.tp_size != d.tp_size:
-                    raise StartupError(f"{p.url} (--prefill) has {p.tp_size} tensor-parallel ranks and {d.url} "
-                                       f"(--decode) {d.tp_size}: a push handoff needs the same size on both sides")
                 if max(p.tp_size, d.tp_size) % min(p.tp_size, d.tp_size):
                     raise StartupError(f"{p.url} (--prefill) has {p.tp_size} tensor-parallel ranks and {d.url} "
                                        f"(--decode) {d.tp_size}: of the two sizes one must divide the other")

@@ -398,6 +398,7 @@ class RankCalls:
                          "kv_connect": lambda *a: self.transport.connect(*a),
                          "kv_post": lambda *a: self.transport.post(*a), "kv_poll": lambda *a: self.transport.poll(*a),
                          "kv_poll_writes": lambda: self.transport.poll_writes(),
+                         "kv_regroup": lambda *a: self.transport.regroup(*a),
                          "kv_release": lambda *a: self.transport.release(*a),
                          "kv_disconnect": lambda *a: self.transport.disconnect(*a),
                          "kv_deregister": lambda: self.transport.deregister()}

@@ -305,9 +305,9 @@ def test_up_refuses_tensor_parallel_instances_it_cannot_pair(capsys):
                                kv_connector="store") == 2
     assert "colocated instances only" in capsys.readouterr().err
     assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
-                               serve_args=["-tp", "3"], kv_transfer_config=None, device="cpu",
-                               kv_connector="nixl-push", decode_args=["-tp", "1"]) == 2
-    assert "a push handoff (--kv-connector nixl-push) needs the same size on both sides" in capsys.readouterr().err
+                               serve_args=["-tp", "2"], kv_transfer_config=None, device="cpu",
+                               kv_connector="nixl-push", decode_args=["-tp", "3"]) == 2
+    assert "of two sizes one must divide the other" in capsys.readouterr().err
     assert cluster.run_cluster(model="default", num_prefill=0, num_decode=0, num_colocated=1, host="127.0.0.1",
                                port=9000, serve_args=["-tp", "x"], kv_transfer_config=None, device="cpu") == 2
     assert "expected an integer" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.push import PushConnectorMeta, PushRecvSpec, PushSendSpec
+from pdserve.kv_transfer.push_lifecycle import read_notif, write_notif
 from pdserve.parallel.group import RankCallError
 from tests.kv_transfer.helpers import COMPAT, nixl_available, poll
 
@@ -18,12 +19,12 @@ if not nixl_available():
     pytest.skip("needs NIXL (nixl or nixl_cu13)", allow_module_level=True)
 
 from pdserve.kv_transfer import nixl_tp_push  # noqa: E402
-from pdserve.kv_transfer.nixl import NixlPushConnectorWorker  # noqa: E402
 from pdserve.kv_transfer.nixl_tp_push import TPNixlPushConnectorWorker  # noqa: E402
 from pdserve.worker.tp_executor import RankCalls  # noqa: E402
 
 NUM_KV_HEADS = 4
 RANK_SHAPE = (16, 2, 2, 4, 2, 8)   # [blocks, layers, kv, slots, heads per rank (of 4, over 2 ranks), dim]
+ONE_RANK_SHAPE = (16, 2, 2, 4, 4, 8)
 
 
 class InProcessRanks:
@@ -98,20 +99,23 @@ def test_every_p_rank_writes_its_heads_into_the_d_rank_holding_them(make_tp):
     assert_idle(p, d)
 
 
+def n(transfer_id, rank, tp_size=2):
+    return write_notif(transfer_id, (), rank, tp_size)
+
+
 def test_d_waits_for_every_ranks_notification(make_tp, monkeypatch):
     """Rank 0's notification alone does not end the receive: rank 1's data may not have landed yet."""
     from pdserve.kv_transfer.nixl import NixlTransport
     d = make_tp("consumer", [torch.zeros(RANK_SHAPE), torch.zeros(RANK_SHAPE)])
-    rank0 = [[], [], ["t1"], []]
+    rank0 = [[], [], [n("t1", 0)], []]
     monkeypatch.setattr(NixlTransport, "_take_notifs", lambda self: rank0.pop(0))
-    d._rank_notifs = [["t1", "t2"]]
+    d._rank_notifs = [[n("t1", 1), n("t2", 1)]]
     assert d._take_notifs() == []                       # rank 1's only, so far
-    d._rank_notifs = [["t1"]]
+    d._rank_notifs = [[n("t1", 1)]]
     assert d._take_notifs() == []                       # a repeat from the same rank counts once
-    assert d._take_notifs() == ["t1"]                   # rank 0's: every rank's data is in
+    assert [read_notif(m).transfer_id for m in d._take_notifs()] == ["t1"]   # rank 0's: every rank's is in
     assert set(d._notified) == {"t2"}
-    ranks, first_at = d._notified["t2"]                 # one whose other notification never comes ...
-    d._notified["t2"] = (ranks, first_at - nixl_tp_push.NOTIF_TTL_S - 1)
+    d._notified["t2"].first_at -= nixl_tp_push.NOTIF_TTL_S + 1   # one whose other notification never comes ...
     assert d._take_notifs() == [] and d._notified == {}   # ... is dropped after NOTIF_TTL_S
 
 
@@ -123,23 +127,75 @@ def test_a_write_that_fails_on_one_rank_fails_the_push_and_frees_both_sides(make
     p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2])]))
     poll([p, d], lambda s, r: "p-req" in s and "d-req" in r, timeout=10)
     assert d.get_load_error("d-req") is not None and d.get_block_ids_with_load_errors() == {4, 5}
-    assert all(ranks == {0} for ranks, _ in d._notified.values())   # rank 0's, if it came: never done
+    assert all(e.pairs == {(0, 0)} for e in d._notified.values())   # rank 0's, if it came: never done
     d._notified.clear()   # (its count waits out NOTIF_TTL_S, not this test)
     assert_idle(p, d)
 
 
-def test_a_push_between_different_tensor_parallel_sizes_is_refused_naming_both(make_tp):
+def test_sizes_of_which_neither_divides_the_other_are_refused_naming_both(make_tp):
     p = make_tp("producer", [filled(4), filled(5)])
-    d_one_rank = NixlPushConnectorWorker(KVTransferConfig(kv_connector="nixl-push", kv_role="consumer"),
-                                         "d-one", COMPAT)
-    try:
-        d_one_rank.register_kv_caches(torch.zeros((16, 2, 2, 4, 4, 8)))
-        with pytest.raises(RuntimeError, match="same tensor-parallel size on both sides, 2 here and 1 there"):
-            p._check_remote_region(d_one_rank._region, {"tp_ranks": []}, "d-one")
-        with pytest.raises(RuntimeError, match="same tensor-parallel size on both sides, 1 here and 2 there"):
-            d_one_rank._check_remote_region(p._region, {"tp_ranks": [{}]}, p.engine_id)
-    finally:
-        d_one_rank.shutdown()
+    with pytest.raises(RuntimeError, match="tensor parallel sizes 2 \\(here\\) and 3 \\(remote\\): one must divide"):
+        p._check_remote_region(p._region, {"tp_ranks": [{}, {}]}, "d-three")
+    p._check_remote_region(p._region, {"tp_ranks": []}, "d-one")   # 2 and 1: pushed between sizes
+
+
+D_BLOCKS, P_BLOCKS = [7, 8, 12], [11, 12, 13]   # two runs on D: (7, 8) and 12
+
+
+def push_between(make_tp, p_caches, d_caches):
+    p, d = make_tp("producer", p_caches), make_tp("consumer", d_caches)
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=D_BLOCKS, first=1)]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [10] + P_BLOCKS, (31,))]))
+    tokens = {}
+    poll([p, d], lambda s, r: tokens.update(d.get_first_token_ids()) or ("p-req" in s and "d-req" in r))
+    assert tokens == {"d-req": [31]} and d.get_load_error("d-req") is None
+    return p, d
+
+
+def test_a_p_of_two_ranks_pushes_into_a_d_of_one(make_tp):
+    """Each P rank writes its heads whole into its half of each run of D's blocks (one descriptor per run);
+    D puts every head back in its place once both ranks' WRITEs are in."""
+    p_caches, d_cache = [filled(6), filled(7)], torch.zeros(ONE_RANK_SHAPE)
+    p, d = push_between(make_tp, p_caches, [d_cache])
+    for rank in (0, 1):
+        assert torch.equal(d_cache[D_BLOCKS][..., 2 * rank:2 * rank + 2, :], p_caches[rank][P_BLOCKS]), rank
+    untouched = [b for b in range(16) if b not in D_BLOCKS]
+    assert torch.count_nonzero(d_cache[untouched]) == 0
+    stats = p.get_stats()
+    assert stats["kv_transfer_descriptors_total"] == 2 * 2   # per rank: [11, 12] -> run (7, 8), 13 -> 12
+    assert stats["kv_transfer_bytes_total"] == 3 * d_cache[0].numel() * 4
+    assert_idle(p, d)
+
+
+def test_a_p_of_one_rank_pushes_into_a_d_of_two(make_tp):
+    """P stages each D rank's heads of the blocks and writes them into that rank's blocks as they stand."""
+    p_cache = torch.randn(ONE_RANK_SHAPE, generator=torch.Generator().manual_seed(8))
+    d_caches = [torch.zeros(RANK_SHAPE), torch.zeros(RANK_SHAPE)]
+    p, d = push_between(make_tp, [p_cache], d_caches)
+    for rank in (0, 1):
+        assert torch.equal(d_caches[rank][D_BLOCKS], p_cache[P_BLOCKS][..., 2 * rank:2 * rank + 2, :]), rank
+        assert torch.count_nonzero(d_caches[rank][[b for b in range(16) if b not in D_BLOCKS]]) == 0
+    stats = p.get_stats()
+    assert stats["kv_transfer_descriptors_total"] == 2 * 2   # per D rank: the two runs
+    assert stats["kv_transfer_bytes_total"] == 3 * p_cache[0].numel() * 4
+    assert p.local._reads == {}   # the staging went with the WRITE
+    assert_idle(p, d)
+
+
+def test_a_regroup_that_fails_fails_the_load_and_frees_both_sides(make_tp, monkeypatch):
+    p_caches, d_cache = [filled(9), filled(10)], torch.zeros(ONE_RANK_SHAPE)
+    p, d = make_tp("producer", p_caches), make_tp("consumer", [d_cache])
+
+    def broken(block_ids, k):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(d.local, "regroup", broken)
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[4, 5])]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2], (3,))]))
+    tokens = {}
+    poll([p, d], lambda s, r: tokens.update(d.get_first_token_ids()) or ("p-req" in s and "d-req" in r))
+    assert d.get_load_error("d-req") is not None and d.get_block_ids_with_load_errors() == {4, 5}
+    assert tokens == {}
+    assert_idle(p, d)
 
 
 def test_ranks_notifications_survive_a_step_whose_own_poll_failed(make_tp, monkeypatch):
@@ -153,10 +209,10 @@ def test_ranks_notifications_survive_a_step_whose_own_poll_failed(make_tp, monke
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("NIXL binding error")
-        return ["t1"] if len(calls) == 2 else []
+        return [n("t1", 0)] if len(calls) == 2 else []
     monkeypatch.setattr(NixlTransport, "_take_notifs", rank0)
     monkeypatch.setattr(d.receiver, "num_pending", lambda: 1)   # (a push under way: the ranks are polled)
-    d.ranks.servers[0].transport.poll_writes = lambda: ({}, ["t1"] if not calls else [])
+    d.ranks.servers[0].transport.poll_writes = lambda: ({}, [n("t1", 1)] if not calls else [])
     with pytest.raises(RuntimeError):
         d.get_finished()
     d.get_finished()   # the ranks bring nothing new; rank 0's "t1" comes: every rank's is in

@@ -568,17 +568,17 @@ def wait_for(predicate, timeout: float = 3.0) -> bool:
     return True
 
 
-def test_startup_refuses_a_push_pair_of_different_tensor_parallel_sizes(harness):
-    """A push writes each rank's heads into the D rank holding the same ones: sizes 2 and 1, which pull pairs,
-    do not pair for push."""
+def test_startup_pairs_push_instances_of_sizes_of_which_one_divides_the_other(harness):
+    """A push writes each P rank's heads into the D ranks holding them, between sizes too (session 48): sizes 2
+    and 1 pair, 2 and 3 do not."""
     p, d, d2 = harness.backend("prefill"), harness.backend("decode"), harness.backend("decode")
-    for backend, name, tp, port in ((p, "p", 2, 7061), (d, "d", 1, 7062), (d2, "d2", 2, 7063)):
+    for backend, name, tp, port in ((p, "p", 2, 7061), (d, "d", 1, 7062), (d2, "d2", 3, 7063)):
         backend.load["kv_connector"] = {"name": "nixl-push", "engine_id": name, "host": "127.0.0.1", "port": port,
                                         "boot_id": "b", "tp_size": tp}
-    with pytest.raises(StartupError, match=r"\(--prefill\) has 2 tensor-parallel ranks and .* \(--decode\) 1: "
-                                           r"a push handoff needs the same size on both sides"):
+    with pytest.raises(StartupError, match=r"\(--prefill\) has 2 tensor-parallel ranks and .* \(--decode\) 3: "
+                                           r"of the two sizes one must divide the other"):
         harness.proxy([p], [d, d2], startup_timeout=2)
-    harness.proxy([p], [d2], startup_timeout=2)
+    harness.proxy([p], [d], startup_timeout=2)
 
 
 def test_a_prompt_no_instance_would_take_is_refused_before_the_router_tokenizes_or_hashes_it(harness):
