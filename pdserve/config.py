@@ -83,8 +83,8 @@ KV_ROLES = ("producer", "consumer", "both")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 # Connectors whose requests the router sends to P and D at once (kv_transfer/push.py); the rest pull.
 PUSH_KV_CONNECTORS = ("nixl-push",)
-# Connectors that move a tensor-parallel instance's KV (every rank's heads): kv_transfer/nixl_tp.py (pull,
-# between sizes of which one divides the other) and nixl_tp_push.py (push, between the same sizes).
+# Connectors that move a tensor-parallel instance's KV (every rank's heads), between sizes of which one divides
+# the other: kv_transfer/nixl_tp.py (pull) and nixl_tp_push.py (push).
 TP_KV_CONNECTORS = ("nixl", "nixl-push")
 
 

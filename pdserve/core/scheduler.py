@@ -46,6 +46,7 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     kv_transfer_params: dict | None = None
+    is_remote: bool = False   # new_token_ids are P's, not sampled here (the router's rates count only those)
 
     @property
     def finished(self) -> bool:
@@ -104,7 +105,7 @@ class Scheduler:
             taken.append(token_id)
             if (status := request.check_stop()) is not None:
                 break
-        update = RequestUpdate(request, taken)
+        update = RequestUpdate(request, taken, is_remote=True)
         if status is not None:
             update.kv_transfer_params = self._finish(request, status, emit=False)
         return update

@@ -282,7 +282,7 @@ class EngineCore:
         """Apply a step whose sampled tokens are on the host."""
         self._count_prompt_tokens(out)  # before the update: it lets go of the requests that finish
         updates = self.scheduler.update_from_output(out, runner_output)
-        self.num_output_tokens += sum(len(u.new_token_ids) for u in updates)
+        self.num_output_tokens += sum(len(u.new_token_ids) for u in updates if not u.is_remote)
         if self.slow_step_s is not None and time.perf_counter() - start > self.slow_step_s:
             self._log_slow_step(out, time.perf_counter() - start)
         self.last_step_was_empty = out.is_empty

@@ -44,14 +44,10 @@ def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str
         from pdserve.kv_transfer.cuda_ipc import CudaIpcConnectorWorker
         worker = CudaIpcConnectorWorker(config, engine_id, compat)
         host, port = config.side_channel_host, worker.side_channel_port
-    elif config.kv_connector == "nixl-push":
-        if ranks is not None or num_kv_heads:   # (also one rank: its peer may be tensor-parallel)
-            from pdserve.kv_transfer.nixl_tp_push import TPNixlPushConnectorWorker
-            push_worker: KVConnectorWorker = TPNixlPushConnectorWorker(config, engine_id, compat, ranks,
-                                                                       num_kv_heads or 0)
-        else:
-            from pdserve.kv_transfer.nixl import NixlPushConnectorWorker
-            push_worker = NixlPushConnectorWorker(config, engine_id, compat)
+    elif config.kv_connector == "nixl-push":   # (one rank too: its peer may be tensor-parallel)
+        from pdserve.kv_transfer.nixl_tp_push import TPNixlPushConnectorWorker
+        push_worker: KVConnectorWorker = TPNixlPushConnectorWorker(config, engine_id, compat, ranks,
+                                                                   num_kv_heads or 0)
         return PushConnectorScheduler(engine_id, block_size, is_producer=config.is_producer,
                                       is_consumer=config.is_consumer), push_worker
     elif config.kv_connector == "store":

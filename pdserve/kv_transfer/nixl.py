@@ -38,9 +38,7 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.pull_worker_common import Load, PullConnectorWorker, Region, RemoteEngine
-from pdserve.kv_transfer.push_lifecycle import write_notif
 from pdserve.kv_transfer.push_worker import PushConnectorWorker
-from pdserve.kv_transfer.transport_worker import check_same_tp_size
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -235,11 +233,5 @@ class NixlConnectorWorker(NixlTransport, PullConnectorWorker):
 
 
 class NixlPushConnectorWorker(NixlTransport, PushConnectorWorker):
-    def _check_remote_region(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
-        check_same_tp_size(1, reply, engine_id)   # (a D of T ranks: its blocks hold 1/T of the heads)
-        super()._check_remote_region(region, reply, engine_id)
-
-    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]],
-               first_token_ids: tuple[int, ...]) -> tuple[Any, str]:
-        # (the notification reaches D's agent after the data)
-        return self._xfer("WRITE", remote, runs, write_notif(transfer_id, first_token_ids))
+    """The push worker half over NIXL; engines run its tensor-parallel form (nixl_tp_push.py), for one rank
+    too, which posts the WRITEs (_write) on every rank."""

@@ -1,5 +1,5 @@
-"""The `nixl` pull handoff for tensor-parallel instances, of the same size or not; and RankFanOut, the rank
-fan-out that the push handoff between instances of one size shares (nixl_tp_push.py).
+"""The `nixl` pull handoff for tensor-parallel instances, of the same size or not; and RankFanOut and
+RankReader, the rank fan-out and the ranks' transports that the push handoff shares (nixl_tp_push.py).
 
 Each rank's KV cache holds its own KV heads, in its own process (and GPU), so each rank registers it
 with an agent of its own and READs what it needs itself. The lifecycle (leases, claims, heartbeats, the
@@ -154,7 +154,7 @@ class RankReader:
     def post(self, key: str, local_block_ids: list[int], remote_block_ids: list[int], op: str = "READ",
              notif: str = "") -> tuple[int, str, int]:
         """(transfer id here, state, NIXL descriptors posted). A WRITE (push) carries its notification to
-        every remote rank it writes into (write_plan)."""
+        every remote rank it writes into (read_plan names those too)."""
         remote_tp, agents = self.remotes[key]
         plan = read_plan(self.tp_size, self.rank, remote_tp, self.num_kv_heads)
         read = _Read([], plan, list(local_block_ids))
@@ -292,11 +292,17 @@ class RankReader:
         self.kv_cache = None
 
 
-def runs_of(block_ids: list[int]) -> list[tuple[int, int]]:
-    """(first block, count) of each maximal run of consecutive ids, in order."""
+# A push from a bigger P is grouped by runs of D's blocks of at most this many: D's regroup copies a run through
+# a buffer of its size, which stays small (e.g. 32 MiB at Llama-3-8B's bf16 block of one rank of two); a longer
+# run of D's blocks costs one more descriptor per P rank per MAX_GROUP_BLOCKS.
+MAX_GROUP_BLOCKS = 32
+
+
+def runs_of(block_ids: list[int], max_len: int = MAX_GROUP_BLOCKS) -> list[tuple[int, int]]:
+    """(first block, count) of each run of consecutive ids, in order, cut at max_len blocks."""
     runs: list[tuple[int, int]] = []
     for b in block_ids:
-        if runs and b == runs[-1][0] + runs[-1][1]:
+        if runs and b == runs[-1][0] + runs[-1][1] and runs[-1][1] < max_len:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((b, 1))

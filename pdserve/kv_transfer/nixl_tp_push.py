@@ -107,8 +107,12 @@ class TPNixlPushConnectorWorker(RankFanOut, NixlPushConnectorWorker):
         for d_rank, messages in arrived:
             for message in messages:
                 notif = read_notif(message)
-                if notif is None or not self._pairs_with(notif.tp_size):
+                if notif is None:
                     done.append(message)   # (the Receiver logs it and lets it go)
+                    continue
+                if not self._pairs_with(notif.tp_size):   # never a sign that every rank's data is in
+                    logger.warning("push of %s: a notification from a P of %d ranks, which cannot write into "
+                                   "%d; ignored", notif.transfer_id, notif.tp_size, self.tp_size)
                     continue
                 entry = self._notified.setdefault(notif.transfer_id, _Arrivals(
                     now, max(notif.tp_size, self.tp_size), notif.tp_size, message))

@@ -9,6 +9,8 @@ this module keeps: D gives a transfer's blocks back only when no WRITE can land 
     released, failed, expired or (to a transfer P accepted the announce of) unknown, each decided under
     P's lock, after which P never writes it; or a reply from another boot of P (the boot that had it is
     gone), or P's side channel refusing the connection (no process listens there), or
+  - P said "written" NOTIF_GRACE_S ago and no notification came (one that D cannot read, or lost): the
+    load fails (nothing vouches for the data), or
   - P has been silent long enough that any WRITE it could have started is over: P writes only for an
     announce it holds, an announce lives one lease past the last message from D that refreshed it, and P
     aborts a WRITE past its write timeout at its next engine step; so after last_sent + lease + write
@@ -72,9 +74,13 @@ MAX_TP_SIZE = 1 << 10      # (what a notification may claim)
 MAX_ABANDONED = 1 << 12    # D: the router's releases for transfers not here yet (one lease period)
 PEER_IDLE_S = 60.0
 PEER_RETRY_S = 1.0         # P: a failed handshake with a D is tried again after this
+NOTIF_GRACE_S = 10.0       # D: how long after P said "written" its notification may still come
 # What P answers for a transfer it will never write (D may give the blocks back at once).
 NEVER_WRITTEN = ("released", "failed", "expired", "unknown", "stale_boot", "busy", "duplicate")
 ALIVE = ("waiting", "writing", "quarantined", "written")
+
+
+NOTIF_FORMAT = 2   # write_notif's (1: the bare transfer id, before session 48)
 
 
 class WriteNotif(NamedTuple):
@@ -567,6 +573,7 @@ class Recv:
     p_bound: float = 0.0             # P's lease + write timeout, from its replies
     safe_at: float = float("inf")    # QUARANTINED: reported then
     last_probe: float = 0.0
+    written_at: float = 0.0          # when P first said "written" (its WRITE is over; the notification due)
 
     @property
     def transfer_id(self) -> str:
@@ -706,6 +713,13 @@ class Receiver:
         elif recv.state in (RecvState.WAITING, RecvState.RELEASING) and recv.is_announced \
                 and now - recv.confirmed_at > self.lease_s:
             self._quarantine(recv, "the prefill instance stopped answering")
+        elif recv.state in (RecvState.WAITING, RecvState.RELEASING) and recv.written_at \
+                and now - recv.written_at > NOTIF_GRACE_S:
+            # P's WRITE has been over for long (whatever was in flight has landed), but no notification came
+            # to vouch for the data (a rank's lost, or one this D cannot read): the load fails, its policy
+            # applies. Without this P's "written" kept the request waiting for ever.
+            self._end(recv, recv.error or "the prefill instance wrote this request's KV, but its notification "
+                                          "never came")
         elif recv.state == RecvState.WAITING and now - recv.announced_at > self.wait_timeout:
             self._releasing(recv, f"the prefill instance did not write this request's KV within {self.wait_timeout:g}s")
 
@@ -872,6 +886,7 @@ class Receiver:
             state = states.get(recv.transfer_id)
             if state in ALIVE:
                 recv.confirmed_at = self.clock()
+                recv.written_at = recv.written_at or (recv.confirmed_at if state == "written" else 0.0)
                 recv.p_cannot_abort = recv.p_cannot_abort or state == "quarantined"
                 if recv.state == RecvState.QUARANTINED:  # P is back: its word settles it, not the timer
                     recv.state, recv.safe_at = RecvState.RELEASING, float("inf")

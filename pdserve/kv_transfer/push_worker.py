@@ -19,7 +19,7 @@ from typing import Any
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.push import PushConnectorMeta
-from pdserve.kv_transfer.push_lifecycle import Pusher, Receiver, Send
+from pdserve.kv_transfer.push_lifecycle import NOTIF_FORMAT, Pusher, Receiver, Send
 from pdserve.kv_transfer.transport_worker import RemoteEngine, TransportWorker, coalesce
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 class PushConnectorWorker(TransportWorker):
     def __init__(self, config: KVTransferConfig, engine_id: str, compat: dict[str, str | int]) -> None:
-        super().__init__(config, engine_id, compat, {
+        # (a peer whose WRITE notifications read otherwise is refused at the handshake, naming both)
+        super().__init__(config, engine_id, {**compat, "push_notif": NOTIF_FORMAT}, {
             "announce": lambda m, b: (self.pusher.on_announce(m), b""),
             "heartbeat": lambda m, b: (self.pusher.on_heartbeat(m), b""),
             "release": lambda m, b: (self.pusher.on_release(m), b""),

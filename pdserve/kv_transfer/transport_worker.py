@@ -93,15 +93,6 @@ def remote_tp_size(reply: dict[str, Any]) -> int:
     return 1 + (len(ranks) if isinstance(ranks, list) else 0)
 
 
-def check_same_tp_size(tp_size: int, reply: dict[str, Any], engine_id: str) -> None:
-    """For a worker half that writes each rank's heads into the remote rank that holds the same ones (the
-    one-rank push worker; engines push with nixl_tp_push's, which pairs sizes): RuntimeError naming both
-    sizes unless they match."""
-    if (remote := remote_tp_size(reply)) != tp_size:
-        raise RuntimeError(f"KV layout mismatch with remote engine {engine_id}: this push needs the same "
-                           f"tensor-parallel size on both sides, {tp_size} here and {remote} there")
-
-
 @dataclass
 class RemoteEngine:
     engine_id: str

@@ -373,7 +373,10 @@ def test_a_first_token_the_load_brings_goes_out_first_and_d_decodes_from_it(pd, 
     ps_token = (fake_token(prompt_len - 1) + 1) % 1000
     load_brings_first_token(d, "req", [ps_token])
     d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=6), kv_transfer_params=params))
+    first_update = next(u for _ in range(20) for u in d.step()[1] if u.new_token_ids)
+    assert first_update.new_token_ids == [ps_token] and first_update.is_remote   # (not counted as D's output)
     tokens, computed = drive(d)
+    tokens = first_update.new_token_ids + tokens
     assert tokens == [ps_token] + [fake_token(prompt_len + i) for i in range(5)]
     assert [n for n in computed if n] == [1] * 5   # nothing of the prompt computed again
     p.drain()

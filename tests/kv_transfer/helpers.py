@@ -30,8 +30,11 @@ def worker_factory(connector: str):
     **config) and shuts every worker it made down afterwards."""
     if connector == "nixl":
         from pdserve.kv_transfer.nixl import NixlConnectorWorker as worker_cls
-    elif connector == "nixl-push":
-        from pdserve.kv_transfer.nixl import NixlPushConnectorWorker as worker_cls
+    elif connector == "nixl-push":   # what the engine builds for one rank (ranks None)
+        from functools import partial
+
+        from pdserve.kv_transfer.nixl_tp_push import TPNixlPushConnectorWorker
+        worker_cls = partial(TPNixlPushConnectorWorker, ranks=None, num_kv_heads=KV_SHAPE[4])
     else:
         from pdserve.kv_transfer.cuda_ipc import CudaIpcConnectorWorker as worker_cls
     workers = []

@@ -217,3 +217,47 @@ def test_ranks_notifications_survive_a_step_whose_own_poll_failed(make_tp, monke
         d.get_finished()
     d.get_finished()   # the ranks bring nothing new; rank 0's "t1" comes: every rank's is in
     assert d._notified == {}
+
+
+@pytest.mark.parametrize("p_size,d_size", [(4, 2), (2, 4), (4, 1), (1, 4), (4, 4)])
+def test_every_head_lands_in_its_place_between_these_sizes(make_tp, p_size, d_size):
+    """Ranks 1..T-1 on both sides (their kv_regroup, and P ranks past the first group) and the head offsets."""
+    shape = lambda size: (16, 2, 2, 4, NUM_KV_HEADS // size, 8)  # noqa: E731
+    p_caches = [torch.randn(shape(p_size), generator=torch.Generator().manual_seed(20 + r)) for r in range(p_size)]
+    d_caches = [torch.zeros(shape(d_size)) for _ in range(d_size)]
+    p, d = push_between(make_tp, p_caches, d_caches)
+    whole_p = torch.cat([c[P_BLOCKS] for c in p_caches], dim=4)   # every head, in order
+    whole_d = torch.cat([c[D_BLOCKS] for c in d_caches], dim=4)
+    assert torch.equal(whole_d, whole_p)
+    assert_idle(p, d)
+
+
+def test_grouped_layout_and_regroup_undo_each_other_over_runs_and_cuts():
+    """Three P ranks' parts written where grouped_layout puts them, then D's regroup: every head in its place,
+    over short runs and one longer than MAX_GROUP_BLOCKS (cut, so that D's buffer stays bounded)."""
+    from pdserve.kv_transfer import nixl_tp
+    k, heads, num_blocks = 3, 6, 2 * nixl_tp.MAX_GROUP_BLOCKS + 20
+    cache = torch.zeros((num_blocks, 2, 2, 4, heads, 8))
+    want = torch.randn(cache.shape)
+    block_ids = [3, 4, 5, 9] + list(range(12, 12 + nixl_tp.MAX_GROUP_BLOCKS + 5))
+    fine = cache.view(-1).view(num_blocks * k, 2, 2, 4, heads // k, 8)   # D's cache in blocks of P's size
+    for part in range(k):
+        fine[nixl_tp.grouped_layout(block_ids, k, part)] = want[block_ids][..., part * 2:(part + 1) * 2, :]
+    reader = nixl_tp.RankReader.__new__(nixl_tp.RankReader)
+    reader.kv_cache = cache
+    reader.regroup(block_ids, k)
+    assert torch.equal(cache[block_ids], want[block_ids])
+    assert torch.count_nonzero(cache[[b for b in range(num_blocks) if b not in block_ids]]) == 0
+    assert nixl_tp.runs_of([1, 2, 3, 4, 5, 9], max_len=2) == [(1, 2), (3, 2), (5, 1), (9, 1)]
+    assert len(nixl_tp.runs_of(block_ids)) == 4   # (3..5), (9), and the long run cut in two
+
+
+def test_a_notification_whose_sizes_cannot_pair_does_not_end_the_receive(make_tp):
+    """It was passed on, and the Receiver ended the receive on it alone, while other ranks' WRITEs could
+    still land in the blocks (code review, session 48)."""
+    p = make_tp("producer", [filled(11), filled(12)])
+    d = make_tp("consumer", [torch.zeros(RANK_SHAPE), torch.zeros(RANK_SHAPE)])
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[4, 5])]))
+    d.local.agent.get_new_notifs = lambda: {"p": [write_notif("t1", (7,), 0, 3).encode()]}
+    assert d.get_finished() == (set(), set()) and d.get_first_token_ids() == {}
+    assert d._notified == {} and "d-req" in d.receiver.recvs

@@ -72,6 +72,42 @@ def test_the_writes_notification_brings_ps_first_token_to_d(make_worker):
     assert_idle(p, d)
 
 
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_write_p_says_is_done_whose_notification_never_comes_fails_the_load(make_worker, monkeypatch, cancelled):
+    """A D that cannot read P's notification (another format: a P of another version, before the handshake
+    refused it) or never gets it held the request for ever, P answering "written" to every heartbeat (hostile
+    review, session 48). NOTIF_GRACE_S after P's first "written" the load fails."""
+    from pdserve.kv_transfer import push_lifecycle
+    monkeypatch.setattr(push_lifecycle, "NOTIF_GRACE_S", 0.5)
+    p = make_worker("producer", filled(0))
+    d = make_worker("consumer", torch.zeros(KV_SHAPE), heartbeat_seconds=0.05)
+    d._take_notifs = lambda: [] if d.agent.get_new_notifs() else []   # progressed (P's WRITE ends), lost
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[4, 5])]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2], (9,))]))
+    poll([p, d], lambda s, r: "p-req" in s)   # P's WRITE is over
+    if cancelled:   # the request is aborted now: D releases, and P answers "written"
+        d.start_load_kv(PushConnectorMeta(reqs_to_cancel={"d-req"}))
+    poll([p, d], lambda s, r: "d-req" in r, timeout=5)
+    assert d.get_first_token_ids() == {}
+    if not cancelled:
+        assert "notification never came" in d.get_load_error("d-req")
+        assert d.get_block_ids_with_load_errors() == {4, 5}
+    assert_idle(p, d)
+
+
+def test_a_cancelled_receive_reports_no_first_token(make_worker):
+    """The request was aborted while P wrote: its blocks go back when the WRITE is over, without P's token."""
+    p, d = make_worker("producer", filled(0)), make_worker("consumer", torch.zeros(KV_SHAPE))
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[4, 5])]))
+    poll([p, d], lambda s, r: "t1" in p.pusher.sends and p.pusher.sends["t1"].target is not None)
+    d.start_load_kv(PushConnectorMeta(reqs_to_cancel={"d-req"}))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2], (9,))]))
+    tokens = {}
+    poll([p, d], lambda s, r: tokens.update(d.get_first_token_ids()) or ("p-req" in s and "d-req" in r))
+    assert tokens == {}
+    assert_idle(p, d)
+
+
 def test_a_notification_that_is_not_a_transfers_is_ignored(make_worker):
     d = make_worker("consumer", torch.zeros(KV_SHAPE))
     for message in ["t1", "", "[1, 2]", '["t1", [-1]]', '["t1", [1, 2]]', '["t1", [true]]', "{", '["t1"]']:
@@ -190,6 +226,23 @@ def test_d_layout_mismatch_fails_naming_both_values(make_worker):
     assert_idle(p, d)
 
 
+def test_a_d_of_another_notification_format_is_refused_naming_both(make_worker, monkeypatch):
+    """A P of session 48 pushing to an older D (its notifications the bare transfer id) wrote the KV, and D,
+    unable to read the notification, held the request for ever (hostile review, session 48): the format is
+    in the compatibility hash, so the handshake refuses the pair and the load fails at once."""
+    from pdserve.kv_transfer import push_worker
+    p = make_worker("producer")
+    monkeypatch.setattr(push_worker, "NOTIF_FORMAT", 1)
+    d = make_worker("consumer")
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
+    p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2, 3])]))
+    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r)
+    error = d.get_load_error("d-req")
+    assert "push_notif local=2 remote=1" in error or "push_notif local=1 remote=2" in error, error
+    assert d.get_block_ids_with_load_errors() == {3, 4, 5}
+    assert_idle(p, d)
+
+
 def test_a_second_d_announcing_the_same_transfer_is_refused(make_worker):
     p, d1, d2 = make_worker("producer"), make_worker("consumer"), make_worker("consumer")
     d1.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
@@ -240,7 +293,8 @@ class StuckWrite:
     """A transport whose WRITE never ends and cannot be aborted (NIXL raising from release)."""
 
     def __init__(self, worker):
-        worker._write = lambda transfer_id, remote, runs, notif: (object(), "PROC")
+        import types   # (a handle as the ranks' fan-out makes one: it counts its descriptors)
+        worker._write = lambda transfer_id, remote, runs, notif: (types.SimpleNamespace(num_descriptors=1), "PROC")
         worker._check = lambda handle: "PROC"
         worker._release = self.release
 
@@ -376,14 +430,14 @@ def test_a_restarted_d_is_pushed_to_at_once(make_worker):
     agent of the same name: every push to the restarted D failed for up to a minute (hostile review,
     session 47). Each boot's agent has a name of its own now."""
     from pdserve.config import KVTransferConfig
-    from pdserve.kv_transfer.nixl import NixlPushConnectorWorker
+    from pdserve.kv_transfer.nixl_tp_push import TPNixlPushConnectorWorker
     from tests.kv_transfer.helpers import COMPAT
     p_cache = filled(7)
     p = make_worker("producer", p_cache)
     for boot, transfer_id in enumerate(("t1", "t2")):
         d_cache = torch.zeros(KV_SHAPE)
-        d = NixlPushConnectorWorker(KVTransferConfig(kv_connector="nixl-push", kv_role="consumer"), "decode-0",
-                                    COMPAT)
+        d = TPNixlPushConnectorWorker(KVTransferConfig(kv_connector="nixl-push", kv_role="consumer"), "decode-0",
+                                      COMPAT, None, KV_SHAPE[4])
         try:
             d.register_kv_caches(d_cache)
             d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, transfer_id, local=[5, 6])]))
