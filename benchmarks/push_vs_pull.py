@@ -139,6 +139,8 @@ def main() -> None:
     p.add_argument("--gpus", default="0,1", help="P's and D's GPU (cuda)")
     p.add_argument("--tp-pairs", default="1:1", help="P:D tensor-parallel sizes to measure, e.g. 1:1,2:2,2:1,1:2")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-range", default="1000,30000",
+                   help="prompts are random token ids in [LO, HI) (a tiny test model: e.g. 10,250)")
     p.add_argument("--log-dir", default="/tmp/pdserve-push-vs-pull")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -147,7 +149,8 @@ def main() -> None:
     lens = [int(x) for x in args.prompt_lens.split(",")]
     model = args.model or ("llama-3.1-8b" if args.device == "cuda" else "default")
     rng = random.Random(args.seed)
-    prompts = {n: [[rng.randrange(1000, 30000) for _ in range(n)] for _ in range(args.repeats + 1)] for n in lens}
+    lo, hi = (int(x) for x in args.token_range.split(","))
+    prompts = {n: [[rng.randrange(lo, hi) for _ in range(n)] for _ in range(args.repeats + 1)] for n in lens}
     common = ["serve", "--model", model, "--seed", str(args.seed), "--max-model-len", str(max(lens) + 64)]
     gpu_p = gpu_d = None
     if args.device == "cuda":

@@ -57,7 +57,8 @@ class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)   # D: KV for these has landed (or failed)
     invalid_block_ids: set[int] = field(default_factory=set)  # D: blocks whose load failed
     recompute_request_ids: set[str] = field(default_factory=set)  # D: failed loads to recompute whatever the policy
-    # D: of finished_recving, the token P sampled after the prompt, where the load brought it (push)
+    # D: the token P sampled after the prompt, where the connector brought it (push): for requests still
+    # loading (sent ahead of the KV) or in finished_recving
     first_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 

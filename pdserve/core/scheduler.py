@@ -392,6 +392,13 @@ class Scheduler:
         return updates
 
     def _apply_connector_output(self, out: KVConnectorOutput) -> None:
+        for request_id, token_ids in out.first_token_ids.items():
+            request = self.requests.get(request_id)
+            if (request_id not in out.finished_recving and request is not None and not request.output_token_ids
+                    and request.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS)):
+                # P's token ahead of its KV: out now, as add_request sends a pull's; a token that ends the
+                # request finishes it here (a load under way keeps its blocks until it reports)
+                self._updates.append(self._take_first_tokens(request, token_ids))
         for request_id in out.finished_sending:
             request = self.held_for_transfer.pop(request_id, None)
             if request is not None:

@@ -170,9 +170,11 @@ class KVConnectorWorker(ABC):
         return set()
 
     def get_first_token_ids(self) -> dict[str, list[int]]:
-        """D: for requests in this step's finished_recving, the token P sampled after the prompt, where the
-        load itself brought it (push: in P's WRITE notification). D emits it and computes from it, as it
-        does with a pull's first_token_ids, instead of sampling the prompt's last position again."""
+        """D: the token P sampled after the prompt, for requests whose load is under way or reported in
+        this step's finished_recving, where the connector itself brought it (push: P sends it as soon as
+        it has it, and its WRITE notification carries it again). Each is reported once. D emits it and
+        computes from it, as it does with a pull's first_token_ids, instead of sampling the prompt's last
+        position again."""
         return {}
 
     def get_load_error(self, request_id: str) -> str | None:

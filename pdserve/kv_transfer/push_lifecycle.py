@@ -166,6 +166,7 @@ class Send:
     num_bytes: int = 0
     num_descriptors: int = 0
     first_token_ids: tuple[int, ...] = ()   # what P sampled after the prompt: in the notification
+    is_token_told: bool = False             # ... and sent to D over the side channel as soon as both are known
 
 
 @dataclass
@@ -217,6 +218,7 @@ class Pusher:
                 send.request_id, send.block_ids = spec.request_id, list(spec.block_ids)
                 send.first_token_ids = tuple(spec.first_token_ids)
                 send.deadline = max(send.deadline, now + self.lease_s)
+                self._tell_first_token_locked(send)
             for request_id, transfer_id in meta.reqs_not_sent:  # P's request ended without KV
                 send = self.sends.get(transfer_id)
                 if send is not None and (send.request_id not in (None, request_id) or send.state != SendState.WAITING):
@@ -355,6 +357,19 @@ class Pusher:
         send.handle = None
         return True
 
+    def _tell_first_token_locked(self, send: Send) -> None:
+        """P's token to D as soon as P has sampled it and knows D, ahead of the KV: D sends it to the client
+        at once, as a pull D does on admission (the WRITE's notification carries it again, should this
+        message be lost). Fire and forget."""
+        if send.is_token_told or not send.first_token_ids or send.target is None:
+            return
+        send.is_token_told = True
+        target = send.target
+        self.clients.get(target.address).send(
+            {"type": "first_token", "engine_id": self.t.engine_id, "boot_id": target.boot_id,
+             "transfer_id": send.transfer_id, "token_ids": list(send.first_token_ids)},
+            on_reply=lambda *_: None)
+
     def _tell_failed(self, target: Target, transfer_id: str, error: str) -> None:
         self.clients.get(target.address).send(
             {"type": "push_failed", "engine_id": self.t.engine_id, "boot_id": target.boot_id,
@@ -486,6 +501,7 @@ class Pusher:
         self._count_address_locked(target.address, +1)
         if send.state == SendState.WAITING:
             send.deadline = max(send.deadline, now + self.lease_s)
+        self._tell_first_token_locked(send)
         return "accepted"
 
     def on_heartbeat(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -604,7 +620,7 @@ class Receiver:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self.clients = side_channel.PeerClients(config.auth_key, self.timeout, self._events, clock)
         self._finished: set[str] = set()
-        self.first_tokens: dict[str, list[int]] = {}   # D's request id → P's token, reported with _finished
+        self.first_tokens: dict[str, list[int]] = {}   # D's request id → P's token, reported once
         self.to_recompute: set[str] = set()   # D's request ids: failed loads the scheduler recomputes
         self._next_heartbeat = self._next_sweep = 0.0
         self.num_failures = self.num_quarantined = 0
@@ -678,11 +694,11 @@ class Receiver:
 
     # ---- each step ----
     def step(self, notified: list[str]) -> set[str]:
-        """notified: write_notif messages of WRITEs done. Returns finished_recving; P's tokens for them
-        are in first_tokens until the next step."""
+        """notified: write_notif messages of WRITEs done. Returns finished_recving; P's tokens (for those,
+        and for requests still waiting whose token P sent ahead) are in first_tokens until the next step."""
+        self.first_tokens = {}
         while not self._events.empty():
             self._apply_event(self._events.get_nowait())
-        self.first_tokens = {}
         for message in notified:  # the WRITE is done: its data is in the blocks
             parsed = read_notif(message)
             if parsed is None:
@@ -915,6 +931,19 @@ class Receiver:
             on_reply=lambda *_: None)
 
     # ---- P's messages (server threads put them here) ----
+    def on_first_token(self, message: dict[str, Any]) -> dict[str, Any]:
+        if message.get("boot_id") == self.t.boot_id:
+            self._events.put((None, message, self._apply_first_token, None, (message,)))
+        return {"ok": True}
+
+    def _apply_first_token(self, message: dict[str, Any]) -> None:
+        recv = self._by_transfer.get(message.get("transfer_id"))
+        tokens = message.get("token_ids")
+        if (recv is not None and self._live(recv) and not recv.is_cancelled
+                and recv.spec.remote_engine_id == message.get("engine_id") and isinstance(tokens, list)
+                and len(tokens) == 1 and all(type(t) is int and t >= 0 for t in tokens)):
+            self.first_tokens[recv.spec.request_id] = tokens
+
     def on_push_failed(self, message: dict[str, Any]) -> dict[str, Any]:
         if message.get("boot_id") == self.t.boot_id:
             self._events.put((None, message, self._apply_push_failed, None, (message,)))

@@ -3,7 +3,7 @@ Receiver (D), over an abstract transport.
 
 Side-channel message types this half serves: handshake (transport_worker's: P fetches D's memory
 description before its first WRITE to that D), and announce, heartbeat, release (D → P), push_failed
-(P → D). Hooks a transport fills, beside transport_worker's (_register, _connect, ...):
+and first_token (P → D: P's sampled token, ahead of the KV). Hooks a transport fills, beside transport_worker's (_register, _connect, ...):
   _write(transfer_id, remote, runs, first_token_ids) → (handle, "PROC" | "DONE" | "ERR")   one WRITE
                            with a notification (push_lifecycle.write_notif: the transfer id, P's first
                            token, the writing rank) that D's transport delivers after the data
@@ -32,6 +32,7 @@ class PushConnectorWorker(TransportWorker):
             "announce": lambda m, b: (self.pusher.on_announce(m), b""),
             "heartbeat": lambda m, b: (self.pusher.on_heartbeat(m), b""),
             "release": lambda m, b: (self.pusher.on_release(m), b""),
+            "first_token": lambda m, b: (self.receiver.on_first_token(m), b""),
             "push_failed": lambda m, b: (self.receiver.on_push_failed(m), b"")})
         self.side_channel_host = config.side_channel_host   # what D announces for P's push_failed messages
         self.pusher = Pusher(self, config)

@@ -89,7 +89,7 @@ def connector_output(connector: KVConnectorWorker, vocab_size: int) -> KVConnect
     finished_sending, finished_recving = connector.get_finished()
     # A token outside the vocabulary would fail the step that computes it: D samples that one itself.
     first_token_ids = {request_id: ids for request_id, ids in connector.get_first_token_ids().items()
-                       if request_id in finished_recving and all(0 <= t < vocab_size for t in ids)}
+                       if all(0 <= t < vocab_size for t in ids)}
     return KVConnectorOutput(finished_sending, finished_recving, connector.get_block_ids_with_load_errors(),
                              connector.get_recompute_request_ids(), first_token_ids)
 

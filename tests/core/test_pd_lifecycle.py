@@ -404,6 +404,59 @@ def test_a_first_token_the_load_brings_can_end_the_request(pd, how):
     assert_no_leaks(p.s), assert_no_leaks(d.s)
 
 
+def token_ahead_of_the_load(d, request_id, token_ids, load_reports_at=3):
+    """D's worker half reports P's token in its first step and the load only at its load_reports_at-th (push:
+    P sends its token as soon as it has it, the KV follows)."""
+    get_finished, calls, held = d.conn_w.get_finished, [0], set()
+
+    def finished():
+        sending, recving = get_finished()
+        calls[0] += 1
+        held.update(recving)
+        if calls[0] < load_reports_at:
+            return sending, set()
+        reported = set(held)
+        held.clear()
+        return sending, reported
+    d.conn_w.get_finished = finished
+    d.conn_w.get_first_token_ids = lambda: {request_id: list(token_ids)} if calls[0] == 1 else {}
+
+
+def test_a_first_token_sent_ahead_of_the_kv_goes_out_while_the_load_is_under_way(pd):
+    """Push's D sent P's token only once the KV was in; a pull D sends it on admission, before its READ
+    (session 48). Now P sends it to D as soon as it has it, and D sends it on."""
+    p, d = pd
+    prompt = list(range(100, 113))
+    params = run_p(p, "req", prompt)
+    del params["first_token_ids"]
+    ps_token = (fake_token(12) + 1) % 1000
+    token_ahead_of_the_load(d, "req", [ps_token])
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=6), kv_transfer_params=params))
+    _, updates = d.step()
+    assert [(u.new_token_ids, u.is_remote) for u in updates] == [([ps_token], True)]
+    assert d.s.requests["req"].status == RequestStatus.WAITING_FOR_REMOTE_KVS   # the KV is not in yet
+    tokens, computed = drive(d)
+    assert tokens == [fake_token(13 + i) for i in range(5)]   # from P's token, which is not sent twice
+    assert [n for n in computed if n] == [1] * 5
+    p.drain()
+    assert_no_leaks(p.s), assert_no_leaks(d.s)
+
+
+def test_a_first_token_sent_ahead_that_ends_the_request_frees_its_blocks_once_the_load_reports(pd):
+    p, d = pd
+    prompt = list(range(40, 60))
+    params = run_p(p, "req", prompt)
+    first = params.pop("first_token_ids")
+    token_ahead_of_the_load(d, "req", first)
+    d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=1), kv_transfer_params=params))
+    _, updates = d.step()
+    assert [(u.new_token_ids, u.finished) for u in updates] == [(first, True)]
+    assert "req" in d.s.aborted_while_loading   # a load under way: its blocks wait for it
+    d.drain(), p.drain()
+    assert not d.s.aborted_while_loading
+    assert_no_leaks(p.s), assert_no_leaks(d.s)
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_a_first_token_then_a_failed_load(policy):
     p = Instance("producer", "P3")

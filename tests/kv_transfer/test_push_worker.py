@@ -72,6 +72,31 @@ def test_the_writes_notification_brings_ps_first_token_to_d(make_worker):
     assert_idle(p, d)
 
 
+@pytest.mark.parametrize("announce_first", [True, False])
+def test_ps_token_reaches_d_ahead_of_the_kv(make_worker, monkeypatch, announce_first):
+    """P sends its token over the side channel as soon as it has both the token and D's announce, for D to
+    send on before the KV lands (as a pull D does); the notification carries it again. Here the notification
+    is lost, so the token can only have come ahead."""
+    from pdserve.kv_transfer import push_lifecycle
+    monkeypatch.setattr(push_lifecycle, "NOTIF_GRACE_S", 0.5)
+    p = make_worker("producer", filled(0))
+    d = make_worker("consumer", torch.zeros(KV_SHAPE), heartbeat_seconds=0.05)
+    d._take_notifs = lambda: [] if d.agent.get_new_notifs() else []   # progressed (P's WRITE ends), lost
+    send = PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2], (977,))])
+    if not announce_first:
+        p.start_load_kv(send)
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[4, 5])]))
+    if announce_first:
+        poll([p, d], lambda s, r: "t1" in p.pusher.sends and p.pusher.sends["t1"].target is not None)
+        p.start_load_kv(send)
+    tokens = {}
+    poll([p, d], lambda s, r: tokens.update(d.get_first_token_ids()) or bool(tokens))
+    assert tokens == {"d-req": [977]}
+    poll([p, d], lambda s, r: "p-req" in s and "d-req" in r, timeout=5)   # (the lost notification's way out)
+    assert d.get_block_ids_with_load_errors() == {4, 5} and d.get_load_error("d-req")
+    assert_idle(p, d)
+
+
 @pytest.mark.parametrize("cancelled", [False, True])
 def test_a_write_p_says_is_done_whose_notification_never_comes_fails_the_load(make_worker, monkeypatch, cancelled):
     """A D that cannot read P's notification (another format: a P of another version, before the handshake

@@ -1,6 +1,6 @@
-"""The worker half's per-step report (worker/model_runner.connector_output): P's first tokens pass only for
-requests reported loaded in the same step, and only inside the vocabulary (a token outside it would fail the
-step that computes it)."""
+"""The worker half's per-step report (worker/model_runner.connector_output): P's first tokens pass only inside
+the vocabulary (a token outside it would fail the step that computes it), for loaded requests and for those
+still loading (push sends P's token ahead of the KV; the scheduler decides what to do with each)."""
 from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.worker.model_runner import connector_output
 
@@ -22,10 +22,10 @@ class Reporting(KVConnectorWorker):
         return self.tokens
 
 
-def test_first_tokens_pass_for_loaded_requests_inside_the_vocabulary():
-    out = connector_output(Reporting({"a", "b", "c"}, {"a": [5], "b": [100], "c": [-1], "gone": [3]}), 100)
+def test_first_tokens_pass_inside_the_vocabulary():
+    out = connector_output(Reporting({"a", "b", "c"}, {"a": [5], "b": [100], "c": [-1], "loading": [3]}), 100)
     assert out.finished_recving == {"a", "b", "c"}
-    assert out.first_token_ids == {"a": [5]}
+    assert out.first_token_ids == {"a": [5], "loading": [3]}
 
 
 def test_a_connector_without_first_tokens_reports_none():
