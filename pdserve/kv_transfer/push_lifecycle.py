@@ -240,6 +240,7 @@ class Pusher:
             finished, self._to_free = self._to_free, set()
             ready = []
             for send in list(self.sends.values()):
+                self._tell_first_token_locked(send)   # (an announce that came after P's prefill)
                 if send.state == SendState.WAITING:
                     if now > send.deadline:
                         self.num_expirations += 1
@@ -360,7 +361,8 @@ class Pusher:
     def _tell_first_token_locked(self, send: Send) -> None:
         """P's token to D as soon as P has sampled it and knows D, ahead of the KV: D sends it to the client
         at once, as a pull D does on admission (the WRITE's notification carries it again, should this
-        message be lost). Fire and forget."""
+        message be lost). Fire and forget; engine thread only (self.clients is not shared with the side
+        channel's server threads)."""
         if send.is_token_told or not send.first_token_ids or send.target is None:
             return
         send.is_token_told = True
@@ -501,8 +503,7 @@ class Pusher:
         self._count_address_locked(target.address, +1)
         if send.state == SendState.WAITING:
             send.deadline = max(send.deadline, now + self.lease_s)
-        self._tell_first_token_locked(send)
-        return "accepted"
+        return "accepted"   # (P's token, if it has one, goes to D at P's next step: Pusher.step)
 
     def on_heartbeat(self, message: dict[str, Any]) -> dict[str, Any]:
         """D's heartbeat: refresh WAITING transfers, answer every id's state or fate."""
