@@ -591,6 +591,7 @@ class Recv:
     safe_at: float = float("inf")    # QUARANTINED: reported then
     last_probe: float = 0.0
     written_at: float = 0.0          # when P first said "written" (its WRITE is over; the notification due)
+    first_token_ids: list[int] | None = None   # P's token, as it came ahead of the KV (reported once)
 
     @property
     def transfer_id(self) -> str:
@@ -708,7 +709,10 @@ class Receiver:
             transfer_id, first_token_ids = parsed.transfer_id, parsed.first_token_ids
             recv = self._by_transfer.get(transfer_id)
             if recv is not None and recv.is_reported:
-                if first_token_ids and not recv.is_cancelled:
+                if recv.first_token_ids not in (None, first_token_ids):
+                    logger.warning("push of %s: P's notification names token %s, its earlier message %s (the "
+                                   "earlier one stands)", transfer_id, first_token_ids, recv.first_token_ids)
+                elif first_token_ids and not recv.is_cancelled:
                     self.first_tokens[recv.spec.request_id] = first_token_ids
                 self._end(recv)
         if self.recvs:
@@ -938,11 +942,13 @@ class Receiver:
         return {"ok": True}
 
     def _apply_first_token(self, message: dict[str, Any]) -> None:
+        """Only for a receive D announced (P sends after the announce) and only once."""
         recv = self._by_transfer.get(message.get("transfer_id"))
         tokens = message.get("token_ids")
-        if (recv is not None and self._live(recv) and not recv.is_cancelled
-                and recv.spec.remote_engine_id == message.get("engine_id") and isinstance(tokens, list)
-                and len(tokens) == 1 and all(type(t) is int and t >= 0 for t in tokens)):
+        if (recv is not None and self._live(recv) and recv.is_reported and not recv.is_cancelled
+                and recv.first_token_ids is None and recv.spec.remote_engine_id == message.get("engine_id")
+                and isinstance(tokens, list) and len(tokens) == 1 and all(type(t) is int and t >= 0 for t in tokens)):
+            recv.first_token_ids = tokens
             self.first_tokens[recv.spec.request_id] = tokens
 
     def on_push_failed(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -97,6 +97,27 @@ def test_ps_token_reaches_d_ahead_of_the_kv(make_worker, monkeypatch, announce_f
     assert_idle(p, d)
 
 
+def test_a_token_ahead_is_taken_only_for_an_announced_receive_and_only_once(make_worker):
+    """Before, a token came through for a request D only kept alive (no blocks, never announced: a real P
+    sends only after the announce), and every repeat, with any value, was passed on (hostile review,
+    session 48)."""
+    p, d = make_worker("producer", filled(0)), make_worker("consumer", torch.zeros(KV_SHAPE))
+
+    def token(value):
+        d.receiver.on_first_token({"type": "first_token", "engine_id": p.engine_id, "boot_id": d.boot_id,
+                                   "transfer_id": "t1", "token_ids": [value]})
+        d.get_finished()
+        return d.get_first_token_ids()
+    d.start_load_kv(PushConnectorMeta(reqs_to_keep_alive=[keep_alive(p)]))
+    assert token(5) == {}
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[4, 5])]))
+    assert token(6) == {"d-req": [6]}
+    assert token(7) == {}
+    d.start_load_kv(PushConnectorMeta(reqs_to_cancel={"d-req"}))
+    poll([p, d], lambda s, r: "d-req" in r)
+    assert_idle(p, d)
+
+
 @pytest.mark.parametrize("cancelled", [False, True])
 def test_a_write_p_says_is_done_whose_notification_never_comes_fails_the_load(make_worker, monkeypatch, cancelled):
     """A D that cannot read P's notification (another format: a P of another version, before the handshake
