@@ -300,13 +300,8 @@ MAX_GROUP_BLOCKS = 32
 
 def runs_of(block_ids: list[int], max_len: int = MAX_GROUP_BLOCKS) -> list[tuple[int, int]]:
     """(first block, count) of each run of consecutive ids, in order, cut at max_len blocks."""
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and b == runs[-1][0] + runs[-1][1] and runs[-1][1] < max_len:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs
+    return [(start + i, min(max_len, n - i)) for start, _, n in coalesce(block_ids, block_ids)
+            for i in range(0, n, max_len)]
 
 
 def grouped_layout(block_ids: list[int], k: int, part: int) -> list[int]:

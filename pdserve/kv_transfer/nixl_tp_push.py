@@ -40,7 +40,6 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import NixlPushConnectorWorker
 from pdserve.kv_transfer.nixl_tp import RankFanOut, Ranks
 from pdserve.kv_transfer.push_lifecycle import read_notif, write_notif
-from pdserve.kv_transfer.push_worker import PushConnectorWorker
 from pdserve.kv_transfer.transport_worker import Region, RemoteEngine
 
 logger = logging.getLogger(__name__)
@@ -74,19 +73,19 @@ class TPNixlPushConnectorWorker(RankFanOut, NixlPushConnectorWorker):
     def _check_remote_region(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
         self._check_tp_pair(region, reply, engine_id)
 
-    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]],
-               first_token_ids: tuple[int, ...]) -> tuple[Any, str]:
-        local = [start + i for start, _, n in runs for i in range(n)]
-        theirs = [start + i for _, start, n in runs for i in range(n)]
+    def _write(self, transfer_id: str, remote: RemoteEngine, local_block_ids: list[int],
+               remote_block_ids: list[int], first_token_ids: tuple[int, ...]) -> tuple[Any, str, int]:
+        """Every rank's WRITE (each coalesces its own runs); every rank's descriptors."""
         notifs = [write_notif(transfer_id, first_token_ids, rank, self.tp_size) for rank in range(self.tp_size)]
-        return self._post_ranks(transfer_id, remote, local, theirs, "WRITE", notifs)
+        handle, state = self._post_ranks(transfer_id, remote, local_block_ids, remote_block_ids, "WRITE", notifs)
+        return handle, state, handle.num_descriptors
 
     def _post_write(self, transfer_id: str, local_block_ids: list[int], remote_block_ids: list[int],
                     remote: RemoteEngine, first_token_ids: tuple[int, ...] = ()) -> tuple[Any, str, int, int]:
-        """Every rank's descriptors and bytes (each rank writes its heads, whatever D's size)."""
-        handle, state, _, num_bytes = PushConnectorWorker._post_write(
-            self, transfer_id, local_block_ids, remote_block_ids, remote, first_token_ids)
-        return handle, state, handle.num_descriptors, num_bytes * self.tp_size
+        """Every rank's bytes (each rank writes its heads, whatever D's size)."""
+        handle, state, num_descriptors, num_bytes = super()._post_write(
+            transfer_id, local_block_ids, remote_block_ids, remote, first_token_ids)
+        return handle, state, num_descriptors, num_bytes * self.tp_size
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         if self._region is not None and (self.pusher.num_pending() or self.receiver.num_pending()):

@@ -3,10 +3,12 @@ Receiver (D), over an abstract transport.
 
 Side-channel message types this half serves: handshake (transport_worker's: P fetches D's memory
 description before its first WRITE to that D), and announce, heartbeat, release (D → P), push_failed
-and first_token (P → D: P's sampled token, ahead of the KV). Hooks a transport fills, beside transport_worker's (_register, _connect, ...):
-  _write(transfer_id, remote, runs, first_token_ids) → (handle, "PROC" | "DONE" | "ERR")   one WRITE
-                           with a notification (push_lifecycle.write_notif: the transfer id, P's first
-                           token, the writing rank) that D's transport delivers after the data
+and first_token (P → D: P's sampled token, ahead of the KV). Hooks a transport fills, beside
+transport_worker's (_register, _connect, ...):
+  _write(transfer_id, remote, local_block_ids, remote_block_ids, first_token_ids)
+                        → (handle, "PROC" | "DONE" | "ERR", descriptors)   one WRITE of those blocks, with a
+                           notification (push_lifecycle.write_notif: the transfer id, P's first token, the
+                           writing rank) that D's transport delivers after the data
   _check(handle), _release(handle): as pull's (raise from _release when an active transfer cannot be
                            aborted: the Send stays quarantined, P's blocks held)
   _take_notifs() → the notifications of WRITEs into this instance that are done (D side)
@@ -20,7 +22,7 @@ from typing import Any
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.push import PushConnectorMeta
 from pdserve.kv_transfer.push_lifecycle import NOTIF_FORMAT, Pusher, Receiver, Send
-from pdserve.kv_transfer.transport_worker import RemoteEngine, TransportWorker, coalesce
+from pdserve.kv_transfer.transport_worker import RemoteEngine, TransportWorker
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +41,8 @@ class PushConnectorWorker(TransportWorker):
         self.receiver = Receiver(self, config)
 
     # ---- transport hooks ----
-    def _write(self, transfer_id: str, remote: RemoteEngine, runs: list[tuple[int, int, int]],
-               first_token_ids: tuple[int, ...]) -> tuple[Any, str]:
+    def _write(self, transfer_id: str, remote: RemoteEngine, local_block_ids: list[int],
+               remote_block_ids: list[int], first_token_ids: tuple[int, ...]) -> tuple[Any, str, int]:
         raise NotImplementedError
 
     def _check(self, handle: Any) -> str:
@@ -101,9 +103,9 @@ class PushConnectorWorker(TransportWorker):
             raise ValueError(f"local block id out of range [0, {local.num_blocks})")
         if not (0 <= min(remote_block_ids) and max(remote_block_ids) < remote.region.num_blocks):
             raise ValueError(f"the decode instance's block id out of range [0, {remote.region.num_blocks})")
-        runs = coalesce(local_block_ids, remote_block_ids)
-        handle, state = self._write(transfer_id, remote, runs, first_token_ids)
-        return handle, state, len(runs), len(local_block_ids) * local.block_bytes
+        handle, state, num_descriptors = self._write(transfer_id, remote, local_block_ids, remote_block_ids,
+                                                     first_token_ids)
+        return handle, state, num_descriptors, len(local_block_ids) * local.block_bytes
 
     def num_blocks(self) -> int | None:
         """Blocks of this instance's cache (an announce may name no more)."""

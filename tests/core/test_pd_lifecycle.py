@@ -345,20 +345,27 @@ def test_a_first_token_that_ends_the_request_finishes_it_on_d_and_p_lets_go(pd, 
     assert_no_leaks(p.s), assert_no_leaks(d.s)
 
 
-def load_brings_first_token(d, request_id, token_ids):
-    """D's worker half reports request_id's load with P's token, as the push handoff does (in P's WRITE
-    notification); the loopback connector stands in for the transport."""
-    get_finished = d.conn_w.get_finished
-    brought = {}
+def connector_brings_first_token(d, request_id, token_ids, ahead=False, load_reports_at=3):
+    """D's worker half reports P's token as the push handoff does (the loopback connector stands in for the
+    transport): with the load (in P's WRITE notification), or ahead of it (P's side-channel message) in its
+    first step, the load then reported only from its load_reports_at-th."""
+    get_finished, calls, held, reported = d.conn_w.get_finished, [0], set(), {}
 
     def finished():
         sending, recving = get_finished()
-        brought.clear()
-        if request_id in recving:
-            brought[request_id] = list(token_ids)
+        calls[0] += 1
+        held.update(recving)
+        if ahead and calls[0] < load_reports_at:
+            recving = set()
+        else:
+            recving = set(held)
+            held.clear()
+        reported.clear()
+        if (calls[0] == 1) if ahead else request_id in recving:
+            reported[request_id] = list(token_ids)
         return sending, recving
     d.conn_w.get_finished = finished
-    d.conn_w.get_first_token_ids = lambda: dict(brought)
+    d.conn_w.get_first_token_ids = lambda: dict(reported)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 4, 13])
@@ -371,7 +378,7 @@ def test_a_first_token_the_load_brings_goes_out_first_and_d_decodes_from_it(pd, 
     params = run_p(p, "req", prompt)
     del params["first_token_ids"]
     ps_token = (fake_token(prompt_len - 1) + 1) % 1000
-    load_brings_first_token(d, "req", [ps_token])
+    connector_brings_first_token(d, "req", [ps_token])
     d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=6), kv_transfer_params=params))
     first_update = next(u for _ in range(20) for u in d.step()[1] if u.new_token_ids)
     assert first_update.new_token_ids == [ps_token] and first_update.is_remote   # (not counted as D's output)
@@ -390,7 +397,7 @@ def test_a_first_token_the_load_brings_can_end_the_request(pd, how):
     params = run_p(p, "req", prompt)
     first = params.pop("first_token_ids")
     max_tokens, eos = (1, ()) if how == "max_tokens" else (5, tuple(first))
-    load_brings_first_token(d, "req", first)
+    connector_brings_first_token(d, "req", first)
     d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=max_tokens), eos, kv_transfer_params=params))
     updates = []
     for _ in range(20):
@@ -404,24 +411,6 @@ def test_a_first_token_the_load_brings_can_end_the_request(pd, how):
     assert_no_leaks(p.s), assert_no_leaks(d.s)
 
 
-def token_ahead_of_the_load(d, request_id, token_ids, load_reports_at=3):
-    """D's worker half reports P's token in its first step and the load only at its load_reports_at-th (push:
-    P sends its token as soon as it has it, the KV follows)."""
-    get_finished, calls, held = d.conn_w.get_finished, [0], set()
-
-    def finished():
-        sending, recving = get_finished()
-        calls[0] += 1
-        held.update(recving)
-        if calls[0] < load_reports_at:
-            return sending, set()
-        reported = set(held)
-        held.clear()
-        return sending, reported
-    d.conn_w.get_finished = finished
-    d.conn_w.get_first_token_ids = lambda: {request_id: list(token_ids)} if calls[0] == 1 else {}
-
-
 def test_a_first_token_sent_ahead_of_the_kv_goes_out_while_the_load_is_under_way(pd):
     """Push's D sent P's token only once the KV was in; a pull D sends it on admission, before its READ
     (session 48). Now P sends it to D as soon as it has it, and D sends it on."""
@@ -430,7 +419,7 @@ def test_a_first_token_sent_ahead_of_the_kv_goes_out_while_the_load_is_under_way
     params = run_p(p, "req", prompt)
     del params["first_token_ids"]
     ps_token = (fake_token(12) + 1) % 1000
-    token_ahead_of_the_load(d, "req", [ps_token])
+    connector_brings_first_token(d, "req", [ps_token], ahead=True)
     d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=6), kv_transfer_params=params))
     _, updates = d.step()
     assert [(u.new_token_ids, u.is_remote) for u in updates] == [([ps_token], True)]
@@ -447,7 +436,7 @@ def test_a_first_token_sent_ahead_that_ends_the_request_frees_its_blocks_once_th
     prompt = list(range(40, 60))
     params = run_p(p, "req", prompt)
     first = params.pop("first_token_ids")
-    token_ahead_of_the_load(d, "req", first)
+    connector_brings_first_token(d, "req", first, ahead=True)
     d.s.add_request(Request("req", prompt, SamplingParams(max_tokens=1), kv_transfer_params=params))
     _, updates = d.step()
     assert [(u.new_token_ids, u.finished) for u in updates] == [(first, True)]

@@ -30,6 +30,16 @@ def tiny_llama_servers(tmp_path_factory, name: str):
     return model, serve, started
 
 
+def pair_proxies(pairs: dict, name: str, started: list) -> dict:
+    """A healthy `pdserve proxy` in front of each (P, D) pair, by the pair's name."""
+    proxies = {pair: Process(["proxy", "--prefill", p.url, "--decode", d.url], f"{name}-{pair}", env=ENV)
+               for pair, (p, d) in pairs.items()}
+    started += proxies.values()
+    for proxy in proxies.values():
+        proxy.wait_healthy(60)
+    return proxies
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model, serve, started = tiny_llama_servers(tmp_path_factory, "tp_pd")
@@ -46,11 +56,7 @@ def cluster(tmp_path_factory):
         for p in started:
             p.wait_healthy()
         pairs = {"2-2": (prefill, decode), "2-1": (prefill, narrow_decode), "1-2": (narrow_prefill, decode)}
-        proxies = {name: Process(["proxy", "--prefill", p.url, "--decode", d.url], f"tp-proxy-{name}", env=ENV)
-                   for name, (p, d) in pairs.items()}
-        started += proxies.values()
-        for p in proxies.values():
-            p.wait_healthy(60)
+        proxies = pair_proxies(pairs, "tp-proxy", started)
         yield {"prefill": prefill, "decode": decode, "colocated": colocated, "proxies": proxies, "pairs": pairs,
                "proxy": proxies["2-2"], "model": model}
     finally:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.cluster import Process, wait_until
-from tests.e2e.test_tp_pd_cluster import ENV, complete, tiny_llama_servers
+from tests.e2e.cluster import wait_until
+from tests.e2e.test_tp_pd_cluster import complete, pair_proxies, tiny_llama_servers
 
 KV = '{"lease_seconds": 4, "heartbeat_seconds": 1}'
 
@@ -28,11 +28,7 @@ def cluster(tmp_path_factory):
         for p in started:
             p.wait_healthy()
         pairs = {"2-2": (prefill, decode), "2-1": (prefill, narrow_decode), "1-2": (narrow_prefill, decode)}
-        proxies = {name: Process(["proxy", "--prefill", p.url, "--decode", d.url], f"tp-push-proxy-{name}", env=ENV)
-                   for name, (p, d) in pairs.items()}
-        started += proxies.values()
-        for p in proxies.values():
-            p.wait_healthy(60)
+        proxies = pair_proxies(pairs, "tp-push-proxy", started)
         yield {"colocated": colocated, "proxies": proxies, "pairs": pairs, "model": model}
     finally:
         for p in reversed(started):

@@ -15,6 +15,7 @@ import torch
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.pull import KeepAliveSpec
 from pdserve.kv_transfer.push import PushConnectorMeta, PushRecvSpec, PushSendSpec
+from pdserve.kv_transfer.push_lifecycle import write_notif
 
 from tests.kv_transfer.helpers import KV_SHAPE, assert_idle, nixl_available, poll, worker_factory
 
@@ -155,9 +156,16 @@ def test_a_cancelled_receive_reports_no_first_token(make_worker):
 
 
 def test_a_notification_that_is_not_a_transfers_is_ignored(make_worker):
-    d = make_worker("consumer", torch.zeros(KV_SHAPE))
-    for message in ["t1", "", "[1, 2]", '["t1", [-1]]', '["t1", [1, 2]]', '["t1", [true]]', "{", '["t1"]']:
-        assert d.receiver.step([message]) == set() and d.get_first_token_ids() == {}
+    """Malformed ones, and the bare transfer id of the format before (which ended the receive), leave a
+    receive waiting for t1 waiting: only a well-formed notification says its data is in."""
+    p, d = make_worker("producer"), make_worker("consumer", torch.zeros(KV_SHAPE))
+    d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[4, 5])]))
+    for message in ["t1", "", "[1, 2]", '["t1", [-1], 0, 1]', '["t1", [1, 2], 0, 1]', '["t1", [true], 0, 1]',
+                    '["t1", [], 1, 1]', '["t1", [], 0, 0]', "{", '["t1"]', '["t1", []]']:
+        assert d.receiver.step([message]) == set() and d.get_first_token_ids() == {}, message
+        assert "d-req" in d.receiver.recvs
+    assert d.receiver.step([write_notif("t1", (3,))]) == {"d-req"}   # (the well-formed one, for contrast)
+    assert d.get_first_token_ids() == {"d-req": [3]}
 
 
 def test_write_after_prefill_when_the_announce_comes_second(make_worker):
@@ -339,8 +347,7 @@ class StuckWrite:
     """A transport whose WRITE never ends and cannot be aborted (NIXL raising from release)."""
 
     def __init__(self, worker):
-        import types   # (a handle as the ranks' fan-out makes one: it counts its descriptors)
-        worker._write = lambda transfer_id, remote, runs, notif: (types.SimpleNamespace(num_descriptors=1), "PROC")
+        worker._write = lambda transfer_id, remote, local_ids, remote_ids, tokens: (object(), "PROC", 1)
         worker._check = lambda handle: "PROC"
         worker._release = self.release
 
