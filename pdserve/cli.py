@@ -84,7 +84,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over this many ranks, one process each (CPU: gloo, the cores divided among "
                         "them; CUDA: NCCL, one visible GPU per rank); it must divide the model's query heads, KV "
                         "heads and intermediate size (the default model: 1 or 3); P/D with --kv-connector nixl or "
-                        "nixl-push, P and D sizes of which one divides the other")
+                        "nixl-push (P and D sizes of which one divides the other) or store (any sizes)")
     g.add_argument("--cpu-cores", default=None, type=_cpu_cores,
                    help="pin the engine process to these cores, e.g. 0,1 (CPU deployments); with --cpu-core-lending "
                         "they are its own cores instead, and the process is not pinned")

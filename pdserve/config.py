@@ -84,8 +84,9 @@ KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 # Connectors whose requests the router sends to P and D at once (kv_transfer/push.py); the rest pull.
 PUSH_KV_CONNECTORS = ("nixl-push",)
 # Connectors that move a tensor-parallel instance's KV (every rank's heads), between sizes of which one divides
-# the other: kv_transfer/nixl_tp.py (pull) and nixl_tp_push.py (push).
-TP_KV_CONNECTORS = ("nixl", "nixl-push")
+# the other: kv_transfer/nixl_tp.py (pull) and nixl_tp_push.py (push); the store's pool holds the whole
+# model's layout, which every size reads and writes (store_tp.py).
+TP_KV_CONNECTORS = ("nixl", "nixl-push", "store")
 
 
 def parse_host_port(text: str, name: str) -> tuple[str, int]:

@@ -355,7 +355,8 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
               f"instances only for now ({', '.join(TP_KV_CONNECTORS)} hands over a tensor-parallel instance's KV)",
               file=sys.stderr)
         return 2
-    if handing_over and any(max(a, b) % min(a, b) for a in handing_over for b in handing_over):
+    if handing_over and kv_connector != "store" and any(max(a, b) % min(a, b) for a in handing_over
+                                                        for b in handing_over):   # (the store: any sizes)
         print(f"pdserve up: prefill and decode instances of --tensor-parallel-size {sorted(set(handing_over))}: "
               f"of two sizes one must divide the other (a D rank's KV heads come from whole P ranks)",
               file=sys.stderr)

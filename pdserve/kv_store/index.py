@@ -121,6 +121,11 @@ class StoreIndex:
             self.inserts[insert_id] = Insert(created, self.clock() + ttl)
         return placed
 
+    def insert_slots(self, insert_id: str) -> list[int] | None:
+        """The slots a pending insert was given, in the order it was given them (None: unknown)."""
+        insert = self.inserts.get(insert_id)
+        return None if insert is None else [self.entries[h].slot for h in insert.hashes]
+
     def commit(self, insert_id: str) -> int:
         """Blocks made visible (0: the insert is unknown, e.g. it expired and its slots were reused)."""
         insert = self.inserts.pop(insert_id, None)

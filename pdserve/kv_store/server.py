@@ -15,7 +15,9 @@ framed request/reply (kv_transfer/side_channel.py), one message each:
       shared_memory (unless --no-shared-memory) names the pool's memory file: a client on this host maps
       it and copies instead of transferring (kv_transfer/store_shm.py).
   insert {insert_id, hashes} → {slots: [[i, slot], ...]}  slots to WRITE hashes[i] into (present hashes skipped)
-  commit {insert_id} / abort {insert_id}                  the WRITE is done / failed
+  commit {insert_id[, regroup]} / abort {insert_id}       the WRITE is done / failed; regroup {parts,
+      outer}: the ranks of a tensor-parallel client wrote their heads in grouped_layout (store_tp.py),
+      put back in the whole-model layout before the blocks become visible
   lookup {lease_id, hashes, min_blocks, wait_s} → {slots} the longest stored run, pinned for lease_s.
       With min_blocks the reply waits (at most MAX_WAIT_PER_CALL_S, so a waiting reader never holds a
       server thread long) while fewer than min_blocks are stored but more are being written: D asks for
@@ -54,6 +56,7 @@ from pdserve.kv_store.options import DEFAULT_INSERT_TTL_S, DEFAULT_LEASE_S
 from pdserve.stop_signals import stop_signals
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.nixl import new_agent, ucx_tcp_segments
+from pdserve.kv_transfer.nixl_tp import regroup_run, runs_of
 from pdserve.kv_transfer.store_shm import SharedPool
 
 
@@ -211,13 +214,34 @@ class KVStoreServer:
 
     def _on_end_insert(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         """commit (the WRITE is done) or abort (it failed)."""
+        insert_id = _id(message, "insert_id")
+        regroup = message.get("regroup") if message["type"] == "commit" else None
         with self._lock:
             if (refusal := self._refusal(message)) is not None:
                 return refusal, b""
+            if regroup is not None:
+                self._regroup(insert_id, regroup)
             end = self.index.commit if message["type"] == "commit" else self.index.abort
-            num_blocks = end(_id(message, "insert_id"))
+            num_blocks = end(insert_id)
             self._lock.notify_all()   # readers waiting for these blocks
         return {"ok": True, "num_blocks": num_blocks}, b""
+
+    def _regroup(self, insert_id: str, regroup: Any) -> None:
+        """The ranks of a tensor-parallel client over NIXL each wrote their heads of the insert's blocks whole,
+        in grouped_layout over runs of its slots (kv_transfer/nixl_tp.py): put the heads back in the
+        whole-model layout before anyone can read them. (Under the lock: the slots are the insert's only
+        while it is pending; a copy of the insert's blocks, once.)"""
+        parts, outer = (regroup.get("parts"), regroup.get("outer")) if isinstance(regroup, dict) else (None, None)
+        if not (isinstance(parts, int) and isinstance(outer, int) and 1 < parts <= 1024 and outer > 0
+                and self.block_bytes % (parts * outer) == 0):
+            raise ValueError(f"regroup: {{parts, outer}} integers that cut a {self.block_bytes}-byte block "
+                             f"into parts of rows, got {regroup!r}")
+        slots = self.index.insert_slots(insert_id)
+        if not slots:
+            return   # (an insert unknown, e.g. expired: its commit changes nothing either)
+        pool = self._buffer.view(self.index.num_slots, self.block_bytes)
+        for start, n in runs_of(slots):
+            regroup_run(pool[start:start + n], parts, outer)
 
     def _on_lookup(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         hashes, lease_id = _hashes(message), _id(message, "lease_id")

@@ -19,8 +19,8 @@ def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str
                      ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
     """Both halves of the configured connector, or (None, None) when disaggregation is off. hash_extra: the
     prefix cache's (the store names blocks by the cache's hash). ranks: a tensor-parallel instance's other
-    ranks (worker/tp_executor.py), for the connectors that move every rank's KV (nixl, nixl-push); num_kv_heads:
-    the model's, for nixl readers of a P of another size."""
+    ranks (worker/tp_executor.py), for the connectors that move every rank's KV (TP_CONNECTORS); num_kv_heads:
+    the model's, for nixl readers of a P of another size and for a store rank's share of each slot."""
     if config.kv_connector is None:
         return None, None
     engine_id = config.engine_id or f"{config.kv_role}-{uuid.uuid4().hex[:8]}"
@@ -55,7 +55,12 @@ def create_connector(config: KVTransferConfig, block_size: int, compat: dict[str
         from pdserve.kv_transfer.store_client import StoreClient
         from pdserve.kv_transfer.store_worker import StoreConnectorWorker
         client = StoreClient(parse_host_port(config.kv_store or "", "kv_store"), config.auth_key)
-        store_worker = StoreConnectorWorker(config, engine_id, compat, client)
+        if ranks is not None:
+            from pdserve.kv_transfer.store_tp import TPStoreConnectorWorker
+            store_worker: KVConnectorWorker = TPStoreConnectorWorker(config, engine_id, compat, client, ranks,
+                                                                     num_kv_heads or 0)
+        else:
+            store_worker = StoreConnectorWorker(config, engine_id, compat, client)
         wait_s = float(config.extra.get("store_wait_seconds", DEFAULT_WAIT_S))
         return StoreConnectorScheduler(engine_id, block_size, client, config.is_producer, hash_extra,
                                        wait_s), store_worker

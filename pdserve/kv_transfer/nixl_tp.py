@@ -110,6 +110,7 @@ class RankReader:
         self._ids = itertools.count()
         self.holding = False   # a P's rank: rank 0 holds grants (its last poll said so)
         self._progress: ProgressWhileHolding | None = None
+        self.store_pool = None   # the KV store's pool, where mapped on this host (store_tp.py)
 
     @classmethod
     def create(cls, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int,
@@ -227,11 +228,29 @@ class RankReader:
     def regroup(self, block_ids: list[int], k: int) -> None:
         """D: k ranks of a bigger P wrote their heads of these blocks in grouped_layout; put every head back
         in its place in each slot ([blocks, layers, 2, slots, heads, dim])."""
+        outer = self.kv_cache.shape[1] * self.kv_cache.shape[2] * self.kv_cache.shape[3]
+        blocks = self.kv_cache.view(-1).view(torch.uint8).view(self.kv_cache.shape[0], -1)
         for start, n in runs_of(block_ids):
-            run = self.kv_cache[start:start + n]
-            layers, _, slots, heads, dim = run.shape[1:]
-            grouped = run.reshape(-1).view(k, n, layers, 2, slots, heads // k, dim).clone()
-            run.copy_(grouped.permute(1, 2, 3, 4, 0, 5, 6).reshape(run.shape))
+            regroup_run(blocks[start:start + n], k, outer)
+
+    def attach_store(self, description: Any, boot_id: str, num_slots: int, block_bytes: int) -> bool:
+        """The KV store's pool mapped here for this rank's heads (kv_transfer/store_tp.py); False: it cannot be."""
+        from pdserve.kv_transfer.store_shm import attach
+        self.detach_store()
+        self.store_pool = attach(description, boot_id, num_slots, block_bytes, self.kv_cache,
+                                 (self.rank, self.tp_size))
+        return self.store_pool is not None
+
+    def copy_store(self, op: str, runs: list[tuple[int, int, int]]) -> None:
+        """A store transfer by copies, this rank's heads: done when this returns."""
+        if self.store_pool is None:
+            raise RuntimeError("the KV store's pool is not mapped on this rank")
+        self.store_pool.copy(op, runs).release()   # (release waits for a GPU's copies)
+
+    def detach_store(self) -> None:
+        if self.store_pool is not None:
+            self.store_pool.close()
+            self.store_pool = None
 
     def _state(self, read: _Read) -> str:
         states = [transfer_state(self.agent, x) for x in read.xfers]
@@ -280,6 +299,7 @@ class RankReader:
     def deregister(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+        self.detach_store()
         for read in self._reads.values():
             try:
                 self._let_go(read)
@@ -314,6 +334,17 @@ def grouped_layout(block_ids: list[int], k: int, part: int) -> list[int]:
     return out
 
 
+def regroup_run(run: torch.Tensor, k: int, outer: int) -> None:
+    """run: n consecutive blocks as bytes [n, block bytes], written by k parts in grouped_layout (part j's n
+    blocks one after the other, each [outer, heads/k bytes]); in place, each block [outer, k, heads/k bytes]:
+    the whole-model layout. outer = layers * 2 * slots."""
+    n, block_bytes = run.shape
+    if block_bytes % (k * outer):
+        raise ValueError(f"a block of {block_bytes} bytes is not {k} parts of {outer} rows")
+    grouped = run.reshape(-1).view(k, n, outer, block_bytes // (k * outer)).clone()
+    run.copy_(grouped.permute(1, 2, 0, 3).reshape(n, block_bytes))
+
+
 def combine(states: list[str]) -> str:
     if "ERR" in states:
         return "ERR"
@@ -330,14 +361,15 @@ class _TPHandle:
         self.erred = False
 
 
-class RankFanOut:
-    """What rank 0's worker half fans out to ranks 1..T-1, whatever the direction (a mixin before the
-    direction's NIXL worker class): registration, connections, posting a transfer on every rank, its
-    combined state, its release. self.local is rank 0's RankReader over the worker half's own agent."""
+class RankTransfers:
+    """A transfer on every rank of a tensor-parallel instance, from rank 0's worker half: posting it, its
+    combined state, its release. self.local is rank 0's RankReader over the worker half's own agent (the
+    worker class provides agent, agent_name and config); self._rank_states the ranks' last poll."""
 
     ranks: Ranks | None
     tp_size: int
     local: RankReader
+    _rank_states: list[dict[int, str]]
 
     def _init_ranks(self, ranks: Ranks | None, num_kv_heads: int, progress_while_holding: bool) -> None:
         self.local = RankReader(self.agent, self.agent_name, 0, self.tp_size, num_kv_heads)
@@ -347,12 +379,65 @@ class RankFanOut:
     def _call(self, op: str, per_rank_args: list[tuple] | None = None) -> list[Any]:
         return self.ranks.call(op, per_rank_args) if self.ranks is not None else []
 
-    def _call_quietly(self, op: str, per_rank_args: list[tuple]) -> None:
+    def _call_quietly(self, op: str, per_rank_args: list[tuple] | None = None) -> None:
         """An undo on the ranks: failures are logged, not raised."""
         try:
             self._call(op, per_rank_args)
         except Exception as error:
             logger.warning("tensor parallel %s: %s: %s", op, type(error).__name__, error)
+
+    def _post_on_ranks(self, request_id: str, key: str, local_block_ids: list[int], remote_block_ids: list[int],
+                       op: str, notifs: list[str] | None = None) -> tuple[_TPHandle, str]:
+        """The transfer on every rank, to the remote connected under key; notifs: each rank's notification (a
+        WRITE's), rank 0's first."""
+        notifs = notifs or [""] * self.tp_size
+        transfer_id, state0, num_descriptors = self.local.post(key, local_block_ids, remote_block_ids, op,
+                                                               notifs[0])
+        handle = _TPHandle([transfer_id], num_descriptors)
+        try:
+            posted = self._call("kv_post", [(key, local_block_ids, remote_block_ids, op, notif)
+                                            for notif in notifs[1:]])
+        except RankCallError as error:
+            # Some ranks posted: the transfer fails through the caller's ERR path, which lets every posted
+            # transfer go before the blocks go back to the pool (or quarantines them while one cannot be aborted).
+            logger.warning("request %s: %s", request_id, error)
+            handle.read_ids += [r[0] if r is not None else None for r in error.results]
+            handle.erred = True
+            return handle, "ERR"
+        except Exception:
+            self._release(handle)
+            raise
+        handle.read_ids += [read_id for read_id, _, _ in posted]
+        handle.num_descriptors += sum(n for _, _, n in posted)
+        return handle, combine([state0, *(state for _, state, _ in posted)])
+
+    def _check(self, handle: _TPHandle) -> str:
+        if handle.erred:
+            return "ERR"
+        states = [self.local.state_of(handle.read_ids[0]) if handle.read_ids[0] is not None else "DONE"]
+        for rank_states, read_id in zip(self._rank_states, handle.read_ids[1:]):
+            states.append(rank_states.get(read_id, "PROC") if read_id is not None else "DONE")
+        return combine(states)
+
+    def _release(self, handle: _TPHandle | None) -> None:
+        """Raises while some rank's transfer is active and cannot be aborted (the caller then quarantines
+        it and calls again later; parts already let go are not let go twice)."""
+        if handle is None:
+            return
+        handle.erred = True   # (let go: checked again only while a part cannot be aborted, never done)
+        if handle.read_ids[0] is not None:
+            self.local.release(handle.read_ids[0])
+            handle.read_ids[0] = None
+        rest = handle.read_ids[1:]
+        if any(r is not None for r in rest):
+            self._call("kv_release", [(r,) for r in rest])   # (None: that rank holds nothing)
+            handle.read_ids[1:] = [None] * len(rest)
+
+
+class RankFanOut(RankTransfers):
+    """What rank 0's worker half of a pull or push handoff fans out to ranks 1..T-1, whatever the direction (a
+    mixin before the direction's NIXL worker class): registration and connections to the peers, beside the
+    transfers (RankTransfers)."""
 
     def _register(self, kv_cache: torch.Tensor) -> tuple[dict[str, Any], bytes]:
         fields, blob = super()._register(kv_cache)
@@ -382,50 +467,7 @@ class RankFanOut:
 
     def _post_ranks(self, request_id: str, remote: RemoteEngine, local_block_ids: list[int],
                     remote_block_ids: list[int], op: str, notifs: list[str] | None = None) -> tuple[_TPHandle, str]:
-        """notifs: each rank's notification (a WRITE's), rank 0's first."""
-        _, key, _ = remote.conn
-        notifs = notifs or [""] * self.tp_size
-        transfer_id, state0, num_descriptors = self.local.post(key, local_block_ids, remote_block_ids, op,
-                                                               notifs[0])
-        handle = _TPHandle([transfer_id], num_descriptors)
-        try:
-            posted = self._call("kv_post", [(key, local_block_ids, remote_block_ids, op, notif)
-                                            for notif in notifs[1:]])
-        except RankCallError as error:
-            # Some ranks posted: the transfer fails through the lifecycle's ERR path, which lets every posted
-            # transfer go before the blocks go back to the pool (or quarantines them while one cannot be aborted).
-            logger.warning("request %s: %s", request_id, error)
-            handle.read_ids += [r[0] if r is not None else None for r in error.results]
-            handle.erred = True
-            return handle, "ERR"
-        except Exception:
-            self._release(handle)
-            raise
-        handle.read_ids += [read_id for read_id, _, _ in posted]
-        handle.num_descriptors += sum(n for _, _, n in posted)
-        return handle, combine([state0, *(state for _, state, _ in posted)])
-
-    def _check(self, handle: _TPHandle) -> str:
-        if handle.erred:
-            return "ERR"
-        states = [self.local.state_of(handle.read_ids[0]) if handle.read_ids[0] is not None else "DONE"]
-        for rank_states, read_id in zip(self._rank_states, handle.read_ids[1:]):
-            states.append(rank_states.get(read_id, "PROC") if read_id is not None else "DONE")
-        return combine(states)
-
-    def _release(self, handle: _TPHandle | None) -> None:
-        """Raises while some rank's transfer is active and cannot be aborted (the lifecycle then quarantines
-        it and calls again later; parts already let go are not let go twice)."""
-        if handle is None:
-            return
-        handle.erred = True   # (let go: checked again only while a part cannot be aborted, never done)
-        if handle.read_ids[0] is not None:
-            self.local.release(handle.read_ids[0])
-            handle.read_ids[0] = None
-        rest = handle.read_ids[1:]
-        if any(r is not None for r in rest):
-            self._call("kv_release", [(r,) for r in rest])   # (None: that rank holds nothing)
-            handle.read_ids[1:] = [None] * len(rest)
+        return self._post_on_ranks(request_id, remote.conn[1], local_block_ids, remote_block_ids, op, notifs)
 
     def _check_tp_pair(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
         """RuntimeError naming the peer when its blocks cannot pair with ours: of the same size, a block of

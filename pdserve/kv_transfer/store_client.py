@@ -142,9 +142,13 @@ class StoreClient:
                 raise
         return insert_id, self._submit(self._control_pool, run)
 
-    def end_insert(self, kind: str, boot_id: str, insert_id: str) -> None:
-        """commit or abort; fire and forget, tried again on a transport error (unanswered: the TTL ends it)."""
-        self._submit(self._control_pool, self._retry, {"type": kind, "boot_id": boot_id, "insert_id": insert_id})
+    def end_insert(self, kind: str, boot_id: str, insert_id: str, regroup: dict[str, int] | None = None) -> None:
+        """commit or abort; fire and forget, tried again on a transport error (unanswered: the TTL ends it).
+        regroup ({parts, outer}): the ranks of a tensor-parallel client wrote the slots in grouped_layout."""
+        message = {"type": kind, "boot_id": boot_id, "insert_id": insert_id}
+        if regroup is not None:
+            message["regroup"] = regroup
+        self._submit(self._control_pool, self._retry, message)
 
     def release(self, lease_id: str | None, boot_id: str, drop: bool = False) -> None:
         """Unpin a lookup's blocks; fire and forget (an unanswered release ends at the lease's deadline)."""

@@ -98,8 +98,9 @@ class SharedPool:
 
 
 def attach(description: Any, boot_id: str, num_slots: int, block_bytes: int,
-           kv_cache: torch.Tensor) -> "MappedPool | None":
-    """The store's pool mapped here, or None (with the reason logged) when this client cannot map it."""
+           kv_cache: torch.Tensor, part: tuple[int, int] = (0, 1)) -> "MappedPool | None":
+    """The store's pool mapped here, or None (with the reason logged) when this client cannot map it.
+    part: (rank, ranks) of a tensor-parallel client, whose cache holds that share of each slot's heads."""
     if not isinstance(description, dict) or not description.get("host") or description["host"] != host_id():
         return None   # no shared memory offered, or another host
     size = HEADER_BYTES + num_slots * block_bytes
@@ -124,7 +125,7 @@ def attach(description: Any, boot_id: str, num_slots: int, block_bytes: int,
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
-        return MappedPool(mapping, path, (info.st_dev, info.st_ino), num_slots, block_bytes, kv_cache)
+        return MappedPool(mapping, path, (info.st_dev, info.st_ino), num_slots, block_bytes, kv_cache, part)
     except Exception as e:
         logger.warning("KV store: its pool on this host is not mapped here, KV moves over NIXL (slower): "
                        "%s: %s", type(e).__name__, e)
@@ -149,23 +150,37 @@ class CopyHandle:
 
 class MappedPool:
     """The client's side: the pool's slots as a [num_slots, block_bytes] tensor beside this instance's KV
-    cache as [num_blocks, block_bytes]; a transfer is one copy per run of blocks."""
+    cache as [num_blocks, block_bytes]; a transfer is one copy per run of blocks.
+
+    A rank of a tensor-parallel client (part (r, T)) holds heads r*H/T .. (r+1)*H/T of every slot, which are
+    strided in the pool's whole-model layout ([layers, 2, slots, heads, dim] per block): its copies go
+    between its blocks seen as [blocks, layers * 2 * slots, its heads' bytes] and that column of the slots."""
 
     def __init__(self, mapping: mmap.mmap, path: str, inode: tuple[int, int], num_slots: int, block_bytes: int,
-                 kv_cache: torch.Tensor) -> None:
+                 kv_cache: torch.Tensor, part: tuple[int, int] = (0, 1)) -> None:
         self._map, self._path, self._inode = mapping, path, inode
         self._slots = _bytes_view(mapping, HEADER_BYTES, num_slots * block_bytes).view(num_slots, block_bytes)
-        self._blocks = kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], block_bytes)
         self._stream = self._registered = None
+        self._pinned = self._slots
+        index, count = part
+        if count == 1:
+            self._blocks = kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], block_bytes)
+        else:
+            outer = kv_cache.shape[1] * kv_cache.shape[2] * kv_cache.shape[3]
+            rank_bytes = kv_cache[0].numel() * kv_cache.element_size()
+            if rank_bytes * count != block_bytes or not 0 <= index < count:
+                raise ValueError(f"a slot of {block_bytes} bytes does not hold {count} parts of {rank_bytes} bytes")
+            self._blocks = kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], outer, rank_bytes // outer)
+            self._slots = self._slots.view(num_slots, outer, count, rank_bytes // outer)[:, :, index]
         if kv_cache.is_cuda:
             # Pinned for the GPU, DMA runs at the link's speed; pageable copies are staged by the driver.
             # (On this thread too the cache's device, not a context on GPU 0.)
             with torch.cuda.device(kv_cache.device):
-                err = torch.cuda.cudart().cudaHostRegister(self._slots.data_ptr(), self._slots.numel(), 1)
+                err = torch.cuda.cudart().cudaHostRegister(self._pinned.data_ptr(), self._pinned.numel(), 1)
                 if int(err) != 0:   # (1: portable, pinned for every GPU)
                     self.close()
                     raise RuntimeError(f"cudaHostRegister of the pool failed: {err}")
-                self._registered = self._slots.data_ptr()
+                self._registered = self._pinned.data_ptr()
                 self._stream = torch.cuda.Stream(device=kv_cache.device)
 
     def is_current(self) -> bool:
@@ -193,7 +208,9 @@ class MappedPool:
         return CopyHandle(event)
 
     def _copy_runs(self, op: str, runs: list[tuple[int, int, int]]) -> None:
-        non_blocking = self._stream is not None
+        # A strided side (a rank's part) goes through a contiguous temporary that torch copies on at once, so
+        # such copies must not be asynchronous.
+        non_blocking = self._stream is not None and self._slots.is_contiguous()
         for local, slot, n in runs:
             blocks, slots = self._blocks[local:local + n], self._slots[slot:slot + n]
             if op == "READ":
@@ -207,7 +224,7 @@ class MappedPool:
         if self._registered is not None:
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
-        self._slots = self._blocks = None
+        self._slots = self._blocks = self._pinned = None
         try:
             self._map.close()
         except BufferError:   # a view still lives: the pages go when it does, never under it

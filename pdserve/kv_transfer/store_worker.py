@@ -68,6 +68,7 @@ class Insert:
     deadline: float = 0.0
     posted_at: float = 0.0
     num_bytes: int = 0
+    regroup: dict[str, int] | None = None   # the commit's (store_tp.py)
 
 
 class StoreConnectorWorker(KVConnectorWorker):
@@ -75,7 +76,8 @@ class StoreConnectorWorker(KVConnectorWorker):
         self.config, self.engine_id, self.client = config, engine_id, client
         self.compat, self.compat_hash = dict(compat), compat_hash(compat)
         self.drop_after_read = bool(config.extra.get("store_drop_after_read", False))
-        self.agent = new_agent(f"{engine_id}-{uuid.uuid4().hex[:8]}", config.enable_prog_thread, "kv_connector store")
+        self.agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
+        self.agent = new_agent(self.agent_name, config.enable_prog_thread, "kv_connector store")
         self._kv_cache: torch.Tensor | None = None
         self._reg_descs = None
         self._region: Region | None = None
@@ -117,8 +119,7 @@ class StoreConnectorWorker(KVConnectorWorker):
             try:
                 reply, blob = handshake.result()
                 region = reply["region"]
-                mapped = None if self._closed else attach(reply.get("shared_memory"), reply["boot_id"],
-                                                          region["num_blocks"], region["block_bytes"], self._kv_cache)
+                mapped = None if self._closed else self._attach(reply, region)
             except Exception as e:
                 result.set_exception(e)
                 return
@@ -129,8 +130,28 @@ class StoreConnectorWorker(KVConnectorWorker):
                 result.set_result((reply, blob, mapped))
 
         self.client.handshake({"engine_id": self.engine_id, "compat_hash": self.compat_hash, "compat": self.compat,
-                               "block_bytes": self._region.block_bytes}).add_done_callback(map_pool)
+                               "block_bytes": self.block_bytes}).add_done_callback(map_pool)
         self._handshake = result
+
+    @property
+    def block_bytes(self) -> int:
+        """A block's bytes, the whole model's (the store's slot; a tensor-parallel rank holds a part)."""
+        return self._region.block_bytes
+
+    def _attach(self, reply: dict[str, Any], region: dict[str, Any]) -> MappedPool | None:
+        return attach(reply.get("shared_memory"), reply["boot_id"], region["num_blocks"], region["block_bytes"],
+                      self._kv_cache)
+
+    def _connect_store(self, reply: dict[str, Any], blob: bytes, mapped: MappedPool | None) -> MappedPool | None:
+        """Where the pool is not mapped here, the store's agent added; the mapping to use (None: NIXL)."""
+        if mapped is None:
+            theirs, ours = reply.get("ucx_tcp_segments"), ucx_tcp_segments()
+            if theirs is not None and theirs != ours:   # (UCX would fail every transfer)
+                raise ValueError(f"UCX TCP segment sizes (UCX_TCP_TX_SEG_SIZE/UCX_TCP_RX_SEG_SIZE) differ: "
+                                 f"the store's {theirs}, this instance's {ours}")
+            self.agent.add_remote_agent(blob)
+            self._store_agent = reply["agent_name"]
+        return mapped
 
     def _advance_handshake(self) -> None:
         if self.client.is_ready and self._store is not None:
@@ -152,13 +173,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         try:
             reply, blob, mapped = future.result()
             store = Region(**reply["region"])
-            if mapped is None:
-                theirs, ours = reply.get("ucx_tcp_segments"), ucx_tcp_segments()
-                if theirs is not None and theirs != ours:   # (UCX would fail every transfer)
-                    raise ValueError(f"UCX TCP segment sizes (UCX_TCP_TX_SEG_SIZE/UCX_TCP_RX_SEG_SIZE) differ: "
-                                     f"the store's {theirs}, this instance's {ours}")
-                self.agent.add_remote_agent(blob)
-                self._store_agent = reply["agent_name"]
+            mapped = self._connect_store(reply, blob, mapped)
         except Exception as e:
             if mapped is not None:
                 mapped.close()
@@ -275,7 +290,7 @@ class StoreConnectorWorker(KVConnectorWorker):
             self._finished_recving.add(request_id)
             self.client.release(spec.lease_id, spec.boot_id, drop=self.drop_after_read)
             self.num_loaded_blocks += len(spec.local_block_ids)
-            self.num_bytes += len(spec.local_block_ids) * self._region.block_bytes
+            self.num_bytes += len(spec.local_block_ids) * self.block_bytes
             self.transfer_seconds.observe(time.monotonic() - load.posted_at)
             return
         self._load_failed(spec, "READ failed" if state == "ERR" else "READ not done inside the store's lease")
@@ -316,7 +331,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         if state == "DONE":
             self.num_bytes += insert.num_bytes
             self.transfer_seconds.observe(time.monotonic() - insert.posted_at)
-            self.num_inserted_blocks += insert.num_bytes // self._region.block_bytes
+            self.num_inserted_blocks += insert.num_bytes // self.block_bytes
         else:
             self.num_failures += 1
         # A WRITE aborted at its deadline is not aborted at the store: its slots wait out the insert's TTL,
@@ -337,15 +352,21 @@ class StoreConnectorWorker(KVConnectorWorker):
             raise ValueError("the store answered slots for blocks the insert does not have")
         insert.deadline = insert.sent_at + self._insert_ttl_s - read_margin(self._insert_ttl_s)
         insert.handle = self._xfer("WRITE", [spec.block_ids[i] for i, _ in placed], [slot for _, slot in placed])
+        insert.regroup = self._write_regroup()
         insert.posted_at = time.monotonic()
-        insert.num_bytes = len(placed) * self._region.block_bytes
+        insert.num_bytes = len(placed) * self.block_bytes
 
     def _end_insert(self, request_id: str, insert: Insert, outcome: str | None) -> None:
         """P's blocks go free; outcome: commit, abort, or None (nothing to tell the store)."""
         self._inserts.pop(request_id, None)
         self._finished_sending.add(request_id)
         if outcome is not None:
-            self.client.end_insert(outcome, insert.boot_id, insert.insert_id)
+            self.client.end_insert(outcome, insert.boot_id, insert.insert_id,
+                                   insert.regroup if outcome == "commit" else None)
+
+    def _write_regroup(self) -> dict[str, int] | None:
+        """What the store must do to a WRITE's slots before they are read (store_tp.py); here nothing."""
+        return None
 
     def _xfer(self, op: str, local_block_ids: list[int], slots: list[int]) -> Any:
         store, local = self._store, self._region
@@ -356,15 +377,20 @@ class StoreConnectorWorker(KVConnectorWorker):
         if not (0 <= min(local_block_ids) and max(local_block_ids) < local.num_blocks):
             raise ValueError(f"a local block id out of range [0, {local.num_blocks})")
         runs = coalesce(local_block_ids, slots)
-        if self._mapped is not None:
-            handle = self._mapped.copy(op, runs)
-        else:
-            handle, state = post_transfer(self.agent, op, local, store, self._store_agent, runs, b"")
-            if state == "ERR":
-                handle.release()
-                raise RuntimeError(f"NIXL refused the {op}")
-        self.num_descriptors += len(runs)
+        handle, num_descriptors = self._move(op, runs, local_block_ids, slots)
+        self.num_descriptors += num_descriptors
         return handle
+
+    def _move(self, op: str, runs: list[tuple[int, int, int]], local_block_ids: list[int],
+              slots: list[int]) -> tuple[Any, int]:
+        """(the transfer's handle, NIXL descriptors or copies it took)."""
+        if self._mapped is not None:
+            return self._mapped.copy(op, runs), len(runs)
+        handle, state = post_transfer(self.agent, op, self._region, self._store, self._store_agent, runs, b"")
+        if state == "ERR":
+            handle.release()
+            raise RuntimeError(f"NIXL refused the {op}")
+        return handle, len(runs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         error_blocks, self._error_blocks = self._error_blocks, set()

@@ -234,7 +234,8 @@ class Monitor:
                                f"same handoff (--kv-connector nixl or cuda_ipc: pull; nixl-push: push; store)")
         # A D rank's KV heads come from whole P ranks (read or written): of a P's and a D's tensor-parallel
         # sizes one must divide the other (else every request would be prefilled, then refused at the handshake).
-        for p in (inst for inst in pd if inst.role == "prefill"):
+        # The store's pool holds the whole model's layout, which every size reads and writes.
+        for p in (inst for inst in pd if inst.role == "prefill" and inst.handoff != "store"):
             for d in (inst for inst in pd if inst.role == "decode"):
                 if max(p.tp_size, d.tp_size) % min(p.tp_size, d.tp_size):
                     raise StartupError(f"{p.url} (--prefill) has {p.tp_size} tensor-parallel ranks and {d.url} "

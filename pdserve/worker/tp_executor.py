@@ -401,7 +401,10 @@ class RankCalls:
                          "kv_regroup": lambda *a: self.transport.regroup(*a),
                          "kv_release": lambda *a: self.transport.release(*a),
                          "kv_disconnect": lambda *a: self.transport.disconnect(*a),
-                         "kv_deregister": lambda: self.transport.deregister()}
+                         "kv_deregister": lambda: self.transport.deregister(),
+                         "kv_store_attach": lambda *a: self.transport.attach_store(*a),
+                         "kv_store_copy": lambda *a: self.transport.copy_store(*a),
+                         "kv_store_detach": lambda: self.transport.detach_store()}
 
     def kv_init(self, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int, num_kv_heads: int,
                 progress_while_holding: bool = False) -> None:

@@ -302,8 +302,13 @@ def test_up_refuses_tensor_parallel_instances_it_cannot_pair(capsys):
     assert "--tensor-parallel-size [2, 3]: of two sizes one must divide the other" in capsys.readouterr().err
     assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
                                serve_args=["-tp", "3"], kv_transfer_config=None, device="cpu",
-                               kv_connector="store") == 2
+                               kv_connector="cuda_ipc") == 2
     assert "colocated instances only" in capsys.readouterr().err
+    # the store's pool holds the whole model's layout: any sizes pair (refused here only for want of GPUs)
+    assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
+                               serve_args=["-tp", "2"], kv_transfer_config=None, device="cuda", gpus=[0],
+                               kv_connector="store", decode_args=["-tp", "3"]) == 2
+    assert "needs as many GPUs, 1 listed" in capsys.readouterr().err
     assert cluster.run_cluster(model="default", num_prefill=1, num_decode=1, host="127.0.0.1", port=9000,
                                serve_args=["-tp", "2"], kv_transfer_config=None, device="cpu",
                                kv_connector="nixl-push", decode_args=["-tp", "3"]) == 2

@@ -581,6 +581,15 @@ def test_startup_pairs_push_instances_of_sizes_of_which_one_divides_the_other(ha
     harness.proxy([p], [d], startup_timeout=2)
 
 
+def test_startup_pairs_store_instances_of_any_sizes(harness):
+    """The store's pool holds the whole model's layout, which every size reads and writes (session 49)."""
+    p, d = harness.backend("prefill"), harness.backend("decode")
+    for backend, name, tp, port in ((p, "p", 2, 7064), (d, "d", 3, 7065)):
+        backend.load["kv_connector"] = {"name": "store", "engine_id": name, "host": "127.0.0.1", "port": port,
+                                        "boot_id": "b", "tp_size": tp}
+    harness.proxy([p], [d], startup_timeout=2)
+
+
 def test_a_prompt_no_instance_would_take_is_refused_before_the_router_tokenizes_or_hashes_it(harness):
     """Before, the router tokenized a 30 MB prompt for a minute (its memory at 8 GB) or hashed 15 M token ids
     on its event loop (every request stalled 3 s), and only then did the instance answer 413 (hostile
