@@ -25,3 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the pool out of shared memory: clients on this host then move KV over NIXL "
                         "(CMA or TCP loopback), a CPU handoff taking 2.4x as long (default: clients on this "
                         "host map the pool and copy)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve Prometheus metrics at http://HOST:PORT/metrics (HOST: --host): the pool's "
+                        "slots (stored, free), leases and inserts in flight, blocks inserted, evicted and hit, "
+                        "lookups, expirations, refusals for want of space (default: off; `stats` over the side "
+                        "channel says the same)")

@@ -25,7 +25,7 @@ framed request/reply (kv_transfer/side_channel.py), one message each:
       own deadline.
   release {lease_id, drop} → {valid}                    drop: free the blocks now (seed 002's drop_select)
   ping → {}                                             an idle client's liveness check (stale_boot if restarted)
-  stats → the index's counters
+  stats → the index's counters (also served to Prometheus with --metrics-port: StoreMetrics)
 The client names its inserts and leases: one whose answer it never got (a store that stalled) it can still
 abort or release, and an abort or release that overtakes its insert or lookup leaves a tombstone.
 
@@ -50,6 +50,9 @@ import uuid
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from pdserve.kv_store.index import MAX_SLOTS, StoreIndex
 from pdserve.kv_store.options import DEFAULT_INSERT_TTL_S, DEFAULT_LEASE_S
@@ -280,13 +283,17 @@ class KVStoreServer:
         return {"ok": True, "valid": valid}, b""
 
     def _on_stats(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
+        return {"ok": True, **self.stats()}, b""
+
+    def stats(self) -> dict[str, Any]:
+        """The pool's state and the index's counters (the `stats` message, and --metrics-port)."""
         with self._lock:
             if self.index is None:
-                return {"ok": True, "num_slots": 0}, b""
-            return {"ok": True, "num_slots": self.index.num_slots, "block_bytes": self.block_bytes,
+                return {"num_slots": 0}
+            return {"num_slots": self.index.num_slots, "block_bytes": self.block_bytes,
                     "num_stored": self.index.num_stored, "num_free": len(self.index.free_slots) + self.index.num_untouched,
                     "num_leases": len(self.index.leases), "num_inserts": len(self.index.inserts),
-                    **self.index.stats.__dict__}, b""
+                    **self.index.stats.__dict__}
 
     # ---- progress and deadlines -------------------------------------------------------------------
 
@@ -321,6 +328,37 @@ class KVStoreServer:
             self._shared = None
 
 
+class StoreMetrics(Collector):
+    """The store's state and counters in Prometheus's terms, read under the store's lock at each scrape."""
+
+    def __init__(self, server: KVStoreServer) -> None:
+        self.server = server
+
+    def collect(self):
+        stats = self.server.stats()
+        gauges = {"kv_store_slots": ("slots in the pool (0 until the first client's handshake sizes it)",
+                                     "num_slots"),
+                  "kv_store_slots_stored": ("slots holding a committed block", "num_stored"),
+                  "kv_store_slots_free": ("slots never used or freed", "num_free"),
+                  "kv_store_leases": ("lookups whose blocks are pinned now", "num_leases"),
+                  "kv_store_inserts_pending": ("inserts given slots and not committed yet", "num_inserts"),
+                  "kv_store_block_bytes": ("bytes of one slot", "block_bytes")}
+        for name, (doc, key) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
+        counters = {"kv_store_inserted_blocks": ("blocks committed", "num_inserted_blocks"),
+                    "kv_store_evicted_blocks": ("stored blocks evicted for space (least recently used)",
+                                                "num_evicted_blocks"),
+                    "kv_store_lookups": ("lookups answered", "num_lookups"),
+                    "kv_store_hit_blocks": ("blocks lookups found", "num_hit_blocks"),
+                    "kv_store_expired_leases": ("leases that ran out unreleased (a reader that crashed or "
+                                                "stalled)", "num_expired_leases"),
+                    "kv_store_expired_inserts": ("inserts that were never committed in time", "num_expired_inserts"),
+                    "kv_store_full_refusals": ("inserts cut short: every slot pinned or pending",
+                                               "num_full_refusals")}
+        for name, (doc, key) in counters.items():
+            yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+
+
 def main(args: argparse.Namespace, auth_key: str | None = None) -> int:
     try:
         capacity = parse_bytes(args.capacity)
@@ -329,12 +367,25 @@ def main(args: argparse.Namespace, auth_key: str | None = None) -> int:
     except (ValueError, ImportError, OSError) as e:
         print(f"pdserve kv-store: {e}")
         return 2
+    metrics = None
+    if args.metrics_port is not None:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StoreMetrics(server))
+        try:
+            metrics, _ = start_http_server(args.metrics_port, addr=args.host, registry=registry)
+        except OSError as e:
+            server.close()
+            print(f"pdserve kv-store: --metrics-port {args.metrics_port}: {e}")
+            return 2
     stop = threading.Event()
     for sig in stop_signals():
         signal.signal(sig, lambda *_: stop.set())
-    print(f"pdserve kv-store: listening on {server.host}:{server.port}, capacity {capacity} bytes", flush=True)
+    print(f"pdserve kv-store: listening on {server.host}:{server.port}, capacity {capacity} bytes"
+          + (f", metrics on http://{args.host}:{metrics.server_port}/metrics" if metrics else ""), flush=True)
     try:
         stop.wait()
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         server.close()
     return 0
