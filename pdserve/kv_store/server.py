@@ -134,6 +134,7 @@ class KVStoreServer:
         self.compat_hash: str | None = None
         self.compat: dict[str, Any] | None = None
         self._buffer: torch.Tensor | None = None
+        self._committing: set[str] = set()   # inserts whose slots are being regrouped (_regroup)
         self.shared_memory = shared_memory and self.pool_device.type == "cpu"
         self._shared: SharedPool | None = None
         self._reg_descs = None
@@ -219,32 +220,58 @@ class KVStoreServer:
         """commit (the WRITE is done) or abort (it failed)."""
         insert_id = _id(message, "insert_id")
         regroup = message.get("regroup") if message["type"] == "commit" else None
+        held = False   # this commit regrouped the insert's slots, and holds them until it ends it
+        if regroup is not None:
+            refusal, held = self._regroup(message, insert_id, regroup)
+            if refusal is not None:
+                return refusal, b""
         with self._lock:
+            if held:
+                self._committing.discard(insert_id)
+            elif insert_id in self._committing:
+                return {"ok": False, "error": f"insert {insert_id!r} is being committed"}, b""
             if (refusal := self._refusal(message)) is not None:
                 return refusal, b""
-            if regroup is not None:
-                self._regroup(insert_id, regroup)
             end = self.index.commit if message["type"] == "commit" else self.index.abort
             num_blocks = end(insert_id)
             self._lock.notify_all()   # readers waiting for these blocks
         return {"ok": True, "num_blocks": num_blocks}, b""
 
-    def _regroup(self, insert_id: str, regroup: Any) -> None:
+    def _regroup(self, message: dict[str, Any], insert_id: str, regroup: Any) -> tuple[dict[str, Any] | None, bool]:
         """The ranks of a tensor-parallel client over NIXL each wrote their heads of the insert's blocks whole,
         in grouped_layout over runs of its slots (kv_transfer/nixl_tp.py): put the heads back in the
-        whole-model layout before anyone can read them. (Under the lock: the slots are the insert's only
-        while it is pending; a copy of the insert's blocks, once.)"""
+        whole-model layout before the commit makes them readable. The copy (the insert's bytes, once) runs
+        outside the lock, which every client's message and the expiry need (a 2 GiB insert held it 0.4 s:
+        hostile review): meanwhile the insert cannot expire, and a commit or abort of it is refused, so its
+        slots stay its own. (A refusal to answer or None, whether the insert is now held for this commit.)"""
         parts, outer = (regroup.get("parts"), regroup.get("outer")) if isinstance(regroup, dict) else (None, None)
-        if not (isinstance(parts, int) and isinstance(outer, int) and 1 < parts <= 1024 and outer > 0
-                and self.block_bytes % (parts * outer) == 0):
-            raise ValueError(f"regroup: {{parts, outer}} integers that cut a {self.block_bytes}-byte block "
-                             f"into parts of rows, got {regroup!r}")
-        slots = self.index.insert_slots(insert_id)
-        if not slots:
-            return   # (an insert unknown, e.g. expired: its commit changes nothing either)
-        pool = self._buffer.view(self.index.num_slots, self.block_bytes)
-        for start, n in runs_of(slots):
-            regroup_run(pool[start:start + n], parts, outer)
+        with self._lock:
+            if (refusal := self._refusal(message)) is not None:
+                return refusal, False
+            if not (type(parts) is int and type(outer) is int and 1 < parts <= 1024 and outer > 0
+                    and self.block_bytes % (parts * outer) == 0):
+                raise ValueError(f"regroup: {{parts, outer}} integers that cut a {self.block_bytes}-byte block "
+                                 f"into parts of rows, got {regroup!r}")
+            if insert_id in self._committing:
+                return {"ok": False, "error": f"insert {insert_id!r} is being committed"}, False
+            slots = self.index.insert_slots(insert_id)
+            if not slots:
+                return None, False   # (an insert unknown, e.g. expired: its commit changes nothing either)
+            insert = self.index.inserts[insert_id]
+            deadline, insert.deadline = insert.deadline, math.inf
+            self._committing.add(insert_id)
+            pool = self._buffer.view(self.index.num_slots, self.block_bytes)
+        try:
+            for start, n in runs_of(slots):
+                regroup_run(pool[start:start + n], parts, outer)
+            if pool.is_cuda:   # a reader's DMA does not wait for the stream
+                torch.cuda.synchronize(pool.device)
+        except BaseException:
+            with self._lock:
+                insert.deadline = deadline
+                self._committing.discard(insert_id)
+            raise
+        return None, True
 
     def _on_lookup(self, message: dict[str, Any], blob: bytes) -> tuple[dict[str, Any], bytes]:
         hashes, lease_id = _hashes(message), _id(message, "lease_id")

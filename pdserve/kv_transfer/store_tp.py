@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from pdserve.config import KVTransferConfig
-from pdserve.kv_transfer.nixl_tp import Ranks, RankTransfers, _TPHandle
+from pdserve.kv_transfer.nixl_tp import Ranks, RankTransfers, _TPHandle, combine
 from pdserve.kv_transfer.store_client import StoreClient
 from pdserve.kv_transfer.store_shm import MappedPool, attach
 from pdserve.kv_transfer.store_worker import StoreConnectorWorker
@@ -133,7 +133,18 @@ class TPStoreConnectorWorker(RankTransfers, StoreConnectorWorker):
         return super().get_finished()
 
     def _state(self, handle: Any) -> str:
-        return self._check(handle) if isinstance(handle, _TPHandle) else super()._state(handle)
+        """A tensor-parallel transfer's state. One whose part failed (to post, or on the way) is ERR only once no
+        other part still moves: until then its blocks, and at the store its slots, may still be written
+        (the deadline then lets every part go, and a part NIXL cannot abort keeps them: _released)."""
+        if not isinstance(handle, _TPHandle):
+            return super()._state(handle)
+        rank_states = self._rank_states or [{}] * (self.tp_size - 1)
+        parts = [self.local.state_of(handle.read_ids[0])] if handle.read_ids[0] is not None else []
+        parts += [states.get(read_id, "PROC") for states, read_id in zip(rank_states, handle.read_ids[1:])
+                  if read_id is not None]
+        if handle.erred:
+            return "PROC" if "PROC" in parts else "ERR"
+        return combine(parts)
 
     def _released(self, handle: Any) -> bool:
         if not isinstance(handle, _TPHandle):
@@ -145,7 +156,7 @@ class TPStoreConnectorWorker(RankTransfers, StoreConnectorWorker):
             logger.warning("NIXL could not release a transfer yet: %s", e)
             return False
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        self.local.deregister()
+    def _deregister_cache(self) -> None:
+        self.local.deregister()   # rank 0's transfers and staging buffers before the cache they point into
+        super()._deregister_cache()
         self._call_quietly("kv_deregister")

@@ -279,11 +279,11 @@ class StoreConnectorWorker(KVConnectorWorker):
         state = self._state(load.handle)
         if state == "PROC" and now < load.spec.read_deadline:
             return
-        if state not in ("DONE", "ERR") and not self._released(load.handle):
-            self.num_quarantined += 1
+        # Blocks go back only once nothing can write into them: a transfer NIXL cannot let go yet (one past
+        # its deadline, or a part of a tensor-parallel one) keeps them, and is asked again next step.
+        if not self._released(load.handle):
+            self.num_quarantined += state not in ("DONE", "ERR")
             return
-        if state in ("DONE", "ERR"):
-            self._released(load.handle)
         del self._loads[request_id]
         spec = load.spec
         if state == "DONE" and time.monotonic() < spec.read_deadline:
@@ -323,11 +323,9 @@ class StoreConnectorWorker(KVConnectorWorker):
         state = self._state(insert.handle)
         if state == "PROC" and now < insert.deadline:
             return
-        if state != "DONE" and state != "ERR" and not self._released(insert.handle):
-            self.num_quarantined += 1   # P's blocks stay: the WRITE may still read them
+        if not self._released(insert.handle):   # P's blocks stay: the WRITE may still read them
+            self.num_quarantined += state not in ("DONE", "ERR")
             return
-        if state in ("DONE", "ERR"):
-            self._released(insert.handle)
         if state == "DONE":
             self.num_bytes += insert.num_bytes
             self.transfer_seconds.observe(time.monotonic() - insert.posted_at)
@@ -457,6 +455,9 @@ class StoreConnectorWorker(KVConnectorWorker):
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
+        self._deregister_cache()
+
+    def _deregister_cache(self) -> None:
         if self._reg_descs is not None:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None

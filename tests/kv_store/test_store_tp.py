@@ -5,6 +5,9 @@ what a D of one size loads equals what a P of another stored, head for head, ove
 NIXL (where a P of several ranks writes grouped parts that the store regroups at the commit)."""
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -149,3 +152,96 @@ def test_a_commit_with_a_regroup_that_does_not_cut_the_block_is_refused_and_comm
     with pytest.raises(ValueError, match="regroup"):
         server._on_end_insert({"type": "commit", "boot_id": server.boot_id, "insert_id": "i", "regroup": regroup}, b"")
     assert server.index.num_stored == 0 and "i" in server.index.inserts
+
+
+def stored_prompt_for(server, p, prompt, blocks):
+    fill(p, blocks, seed=1)
+    p.sched.request_finished(finished_request("p", prompt), blocks)
+    p.worker.start_load_kv(p.sched.build_connector_meta(None))
+    step_until([p.worker], lambda s, r: "p" in s)
+    wait_for(lambda: server.index.num_stored == len(blocks), "the commit")
+
+
+def start_load(d, prompt, blocks):
+    request = Request("d", prompt + [7], SamplingParams(max_tokens=2))
+    d.sched.request_added(request)
+    while (result := d.sched.get_num_new_matched_tokens(request, 0))[0] is None:
+        d.worker.get_finished()
+    d.sched.update_state_after_alloc(request, blocks, result[0])
+    d.worker.start_load_kv(d.sched.build_connector_meta(None))
+
+
+@pytest.mark.parametrize("store", [False], indirect=True, ids=["nixl"])
+def test_a_read_no_rank_can_let_go_keeps_its_blocks_until_it_can(store, tp_instance, monkeypatch):
+    """Before, a READ past its deadline that NIXL could not abort was kept one step, then its blocks went back
+    to the pool while rank 0's READ could still land in them (the handle said ERR once a release was tried;
+    hostile review). Now they stay until every part is let go."""
+    server = store()
+    p, d = tp_instance(server, 1, "producer"), tp_instance(server, 2, "consumer")
+    prompt = list(range(2 * BLOCK_SIZE))
+    stored_prompt_for(server, p, prompt, [1, 2])
+    start_load(d, prompt, [4, 5])
+    release = d.worker.local.release
+    monkeypatch.setattr(d.worker.local, "state_of", lambda read_id: "PROC")   # a READ that hangs ...
+    monkeypatch.setattr(d.worker.local, "release", lambda read_id: (_ for _ in ()).throw(RuntimeError("busy")))
+    load = d.worker._loads["d"]
+    load.spec = dataclasses.replace(load.spec, read_deadline=time.monotonic() - 1)   # ... past its deadline
+    for _ in range(3):
+        assert d.worker.get_finished() == (set(), set())
+        assert "d" in d.worker._loads and d.worker.num_blocks_held() == 2
+    monkeypatch.setattr(d.worker.local, "release", release)   # NIXL lets it go now
+    assert d.worker.get_finished() == (set(), {"d"})
+    assert d.worker.get_block_ids_with_load_errors() == {4, 5}
+    monkeypatch.undo()
+    assert_idle(server, p.worker, d.worker)
+
+
+@pytest.mark.parametrize("store", [False], indirect=True, ids=["nixl"])
+def test_a_read_that_failed_to_post_on_one_rank_ends_once_the_others_parts_have(store, tp_instance, monkeypatch):
+    server = store()
+    p, d = tp_instance(server, 1, "producer"), tp_instance(server, 2, "consumer")
+    prompt = list(range(2 * BLOCK_SIZE))
+    stored_prompt_for(server, p, prompt, [1, 2])
+    state_of = d.worker.local.state_of
+    monkeypatch.setattr(d.worker.local, "state_of", lambda read_id: "PROC")   # rank 0's part still moving
+    d.ranks.fail_op = "kv_post"
+    start_load(d, prompt, [4, 5])
+    d.ranks.fail_op = None
+    for _ in range(3):
+        assert d.worker.get_finished() == (set(), set()) and "d" in d.worker._loads
+    monkeypatch.setattr(d.worker.local, "state_of", state_of)
+    _, recving = step_until([d.worker], lambda s, r: "d" in r)
+    assert d.worker.get_block_ids_with_load_errors() == {4, 5} and d.worker.get_recompute_request_ids() == {"d"}
+    assert_idle(server, p.worker, d.worker)
+
+
+def test_the_store_regroups_outside_its_lock_and_the_insert_stays_its_own_meanwhile(store, tp_instance, monkeypatch):
+    """Before, the regroup ran under the store's lock: a 2 GiB insert stalled every client 0.4 s (hostile
+    review). Now other messages are answered meanwhile, and the insert can neither expire nor be aborted."""
+    from pdserve.kv_store import server as server_module
+    server = store(capacity=16 * LAYERS * 2 * BLOCK_SIZE * HEADS * DIM * 4)
+    tp_instance(server, 2)
+    with server._lock:
+        server.index.begin_insert("i", [11, 12], 60.0)
+    entered, go = threading.Event(), threading.Event()
+    real = server_module.regroup_run
+
+    def slow_regroup(*args):
+        entered.set()
+        assert go.wait(10)
+        real(*args)
+    monkeypatch.setattr(server_module, "regroup_run", slow_regroup)
+    commit = {"type": "commit", "boot_id": server.boot_id, "insert_id": "i", "regroup": {"parts": 2, "outer": 16}}
+    thread = threading.Thread(target=lambda: server._on_end_insert(commit, b""))
+    thread.start()
+    assert entered.wait(10)
+    assert server._on_ping({"boot_id": server.boot_id}, b"")[0] == {"ok": True}   # the lock is free
+    abort = {"type": "abort", "boot_id": server.boot_id, "insert_id": "i"}
+    assert server._on_end_insert(abort, b"")[0]["ok"] is False
+    server.index.clock = lambda: time.monotonic() + 3600
+    with server._lock:
+        server.index.expire()
+    assert "i" in server.index.inserts
+    go.set()
+    thread.join(10)
+    assert server.index.num_stored == 2 and not server._committing
