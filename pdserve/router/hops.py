@@ -114,7 +114,7 @@ async def while_heard(proxy: Proxy, role: str, inst: Instance, hop: Awaitable[T]
     the request). The hop runs in the caller's task (a watchdog on the loop cancels it), so
     it resumes as soon as it is done, and a cancellation of the caller is its own."""
     began, restarts = time.monotonic(), inst.num_restarts
-    silence_s = max(proxy.silence_s, proxy.monitor.interval + proxy.monitor.timeout)
+    silence_s = max(proxy.silence_s, proxy.monitor.round_seconds() + proxy.monitor.timeout)
     period = min(1.0, silence_s / 4)
     loop = asyncio.get_running_loop()
     why: str | None = None

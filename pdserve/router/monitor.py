@@ -13,8 +13,12 @@ once that one ended):
 A request that could not connect to an instance also counts as a failure (`Monitor.connect_failed`), so a
 dead instance is ejected by the requests that meet it as much as by the poll.
 
-At hundreds of instances one poll round is hundreds of small GETs on one event loop: the cost per instance
-is one JSON parse per interval, and events cost per block stored or removed, not per request.
+At hundreds of instances the polls would be the router's main work (500 instances every 0.1 s took 76 % of its
+core on CPU, benchmarks/cpu_router_scale.py), so the polls per second are capped (max_polls_per_s): past
+interval x max_polls_per_s instances a round lasts N / max_polls_per_s seconds, and its polls go out spread over
+it in slices of at most one interval's worth, not in one burst. Between two reports of an instance the router
+counts what it sends there itself (Instance.begin / end). Events cost per block stored or removed, not per
+request.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from pdserve.router.prefix_index import PrefixIndex
 logger = logging.getLogger(__name__)
 
 DEFAULT_POLL_INTERVAL_S = 0.1
+DEFAULT_MAX_POLLS_PER_S = 1000.0   # every 0.1 s up to 100 instances; 500 are each asked every 0.5 s
 DEFAULT_POLL_TIMEOUT_S = 2.0
 DEFAULT_EJECT_AFTER = 3
 MIN_STARTUP_ATTEMPT_S = 0.1   # the start-up check's last look at an instance, even past its deadline
@@ -49,10 +54,11 @@ class StartupError(RuntimeError):
 class Monitor:
     def __init__(self, instances: list[Instance], index: PrefixIndex, *, headers: dict[str, str],
                  interval: float = DEFAULT_POLL_INTERVAL_S, timeout: float = DEFAULT_POLL_TIMEOUT_S,
-                 eject_after: int = DEFAULT_EJECT_AFTER) -> None:
+                 eject_after: int = DEFAULT_EJECT_AFTER, max_polls_per_s: float = DEFAULT_MAX_POLLS_PER_S) -> None:
         # The router's own list, not a copy: instances it adds are polled from the next round on.
         self.instances, self.index = instances, index
         self.headers, self.interval, self.timeout, self.eject_after = headers, interval, timeout, eject_after
+        self.max_polls_per_s = max_polls_per_s
         self.session: aiohttp.ClientSession | None = None
         self.boot_ids: dict[str, str] = {}
         self.no_load_route: set[str] = set()   # instances answering /v1/load with 404
@@ -64,14 +70,20 @@ class Monitor:
         try:
             while True:
                 started = time.monotonic()
-                for inst in self.instances:
-                    if inst.name not in polls:
-                        polls[inst.name] = asyncio.create_task(self.poll(inst))
-                # A round waits one interval at most: an instance that answers slowly, or not at all (until its
+                round_s = self.round_seconds()
+                due = [inst for inst in self.instances if inst.name not in polls]
+                slices = max(1, min(len(due), round(round_s / self.interval)))
+                for i in range(slices):   # (one slice a round, up to max_polls_per_s x interval instances)
+                    for inst in due[i::slices]:
+                        if not inst.removed:
+                            polls[inst.name] = asyncio.create_task(self.poll(inst))
+                    if i + 1 < slices:
+                        await asyncio.sleep(max(0.0, started + (i + 1) * round_s / slices - time.monotonic()))
+                # A round waits one round at most: an instance that answers slowly, or not at all (until its
                 # poll's timeout), must not hold back every other instance's polls (a hostile test: one hung
                 # /v1/load made every round last the 2 s timeout, and a dead instance took 6 s to eject).
                 if polls:
-                    await asyncio.wait(polls.values(), timeout=self.interval)
+                    await asyncio.wait(polls.values(), timeout=max(0.0, started + round_s - time.monotonic()))
                 members = {inst.name: inst for inst in self.instances}
                 for name, task in list(polls.items()):
                     if (inst := members.get(name)) is None:   # removed from the cluster meanwhile
@@ -86,10 +98,14 @@ class Monitor:
                             self.failed(inst, f"poll error: {type(error).__name__}")
                 self.index.purge(time.monotonic())
                 self.on_round()
-                await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+                await asyncio.sleep(max(0.0, round_s - (time.monotonic() - started)))
         finally:
             for task in polls.values():
                 task.cancel()
+
+    def round_seconds(self) -> float:
+        """How long one round (every instance asked once) lasts: the interval, or longer past the poll budget."""
+        return max(self.interval, len(self.instances) / self.max_polls_per_s)
 
     async def poll(self, inst: Instance) -> None:
         try:

@@ -10,6 +10,7 @@ and its predictions of which instance will cache the prompt.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,11 @@ DEFAULT_BALANCE_REQUESTS = 16      # ... a D this many requests in flight above 
 DEFAULT_AFFINITY_MIN_CACHED = 0.5  # prefix-affinity: a cached prefix under this share of the prompt is a miss
 DEFAULT_DIRECT_PREFILL_HEADROOM_S = 1.0
 DEFAULT_COST_TOLERANCE = 0.2       # cost: estimates within this fraction of the best are a tie (round-robin)
+# Past this many instances of a pool, a request looks at a sample of them (Router._sample): at 500 instances
+# a full scan cost 424 µs a request under round-robin and 1.5 ms under cost, in Python (found on CPU,
+# benchmarks/cpu_router_scale.py), where a sample of 32 keeps the choice close to the full one's (the power of
+# d choices) and the cost flat.
+DEFAULT_MAX_CANDIDATES = 32
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,8 @@ class RouterConfig:
     direct_prefill_headroom_s: a D takes a prompt itself, with every P at a cap or more than this many seconds
     of prompts queued (prefill_backlog), only while its prefill work (queued + this prompt) stays under this
     many seconds: its running streams stall meanwhile. 0: no backlog rule, and no D prefills while a P is up.
-    cost_tolerance: cost's estimates within this fraction of the lowest count as equal (see CostPolicy)."""
+    cost_tolerance: cost's estimates within this fraction of the lowest count as equal (see CostPolicy).
+    max_candidates: past this many instances in a pool, each request considers a sample of them (0: all)."""
     pd_min_prompt_tokens: int = DEFAULT_PD_MIN_PROMPT_TOKENS
     max_per_instance: int | None = None
     max_held_fraction: float = DEFAULT_MAX_HELD_FRACTION
@@ -74,6 +81,7 @@ class RouterConfig:
     direct_prefill_headroom_s: float = DEFAULT_DIRECT_PREFILL_HEADROOM_S
     affinity_min_cached: float = DEFAULT_AFFINITY_MIN_CACHED
     cost_tolerance: float = DEFAULT_COST_TOLERANCE
+    max_candidates: int = DEFAULT_MAX_CANDIDATES
 
     def __post_init__(self) -> None:
         if self.pd_min_prompt_tokens < 0:
@@ -88,6 +96,8 @@ class RouterConfig:
             raise ValueError(f"affinity_min_cached: must be in [0, 1], got {self.affinity_min_cached}")
         if not 0.0 <= self.cost_tolerance <= 1.0:
             raise ValueError(f"cost_tolerance: must be in [0, 1], got {self.cost_tolerance}")
+        if self.max_candidates != 0 and self.max_candidates < 2:
+            raise ValueError(f"max_candidates: 0 (all) or at least 2, got {self.max_candidates}")
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,10 @@ class RoutingPolicy:
 
     def choose(self, stage: str, candidates: Sequence[Instance], choice: Choice) -> tuple[Instance, str]:
         raise NotImplementedError
+
+    def cursor(self, stage: str) -> int:
+        """The stage's round-robin cursor: the router's order position the next rotation starts at."""
+        return self._cursor.get(stage, 0)
 
     def rotate(self, stage: str, candidates: Sequence[Instance], choice: Choice, commit: bool = True) -> Instance:
         """The first candidate at or after the stage's cursor in the router's order; commit: move the cursor
@@ -339,14 +353,14 @@ class Router:
 
     def route(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0) -> Route | None:
         """Where the request goes; None when no instance can take it. exclude: names that failed it."""
-        prefills = [inst for inst in self.instances
-                    if inst.role == "prefill" and self._admits(inst, req, exclude, now)]
-        directs = [inst for inst in self.instances
-                   if inst.role in ("decode", "colocated") and self._admits(inst, req, exclude, now)]
+        matched = self._matched(req, now)
+        prefills = self._candidates(("prefill",), PREFILL, req, exclude, now, matched)
+        directs = self._candidates(("decode", "colocated"), DECODE if self.has_prefill_pool else DIRECT, req,
+                                   exclude, now, matched)
         if not directs:
             self.num_no_candidate += 1
             return None
-        choice = self._choice(req, prefills + directs, now)
+        choice = self._choice(req, prefills + directs, now, matched)
         if not self.has_prefill_pool:
             return self._direct(directs, choice, "colocated")
         threshold = self.config.pd_min_prompt_tokens
@@ -422,12 +436,57 @@ class Router:
         # not the router's to turn into a 503 the client would retry forever.
         return free >= needed or needed > (inst.num_blocks or 0)
 
-    def _choice(self, req: RouteRequest, candidates: Sequence[Instance], now: float) -> Choice:
+    def _matched(self, req: RouteRequest, now: float) -> dict[str, int] | None:
+        """Per instance, the leading blocks of the prompt it holds (only those holding some); None when nothing
+        looks at what is cached."""
+        if not (req.block_hashes and self.needs_tokens):
+            return None
+        return self.index.match(req.block_hashes, None, now)
+
+    def _candidates(self, roles: tuple[str, ...], stage: str, req: RouteRequest, exclude: Collection[str],
+                    now: float, matched: dict[str, int] | None) -> list[Instance]:
+        """The instances of these roles that may take the request (_admits): all of them, or past
+        max_candidates a sample (_sample), and all of them again when no sampled one may."""
+        pool = [inst for inst in self.instances if inst.role in roles]
+        sample = self._sample(pool, stage, matched)
+        admitted = [inst for inst in sample if self._admits(inst, req, exclude, now)]
+        if not admitted and len(sample) < len(pool):
+            admitted = [inst for inst in pool if self._admits(inst, req, exclude, now)]
+        return admitted
+
+    def _sample(self, pool: list[Instance], stage: str, matched: dict[str, int] | None) -> list[Instance]:
+        """At most max_candidates of the pool: the holders of the prompt's longest prefixes (up to half), then
+        the next instances in the router's order from the stage's round-robin cursor, so that round-robin
+        stays exact (it takes the first of them it admits) and the load-aware policies compare a window that
+        moves on with every request (each instance in as many windows as any other)."""
+        k = self.config.max_candidates
+        if not k or len(pool) <= k:
+            return pool
+        picked: dict[str, Instance] = {}
+        if matched:   # (every chat prompt's first block may be on every instance: the top few, not a sort)
+            roles = {inst.role for inst in pool}
+            holders = (inst for name in matched if (inst := self.by_name.get(name)) is not None and inst.role in roles)
+            for inst in heapq.nlargest(k // 2, holders, key=lambda i: matched[i.name]):
+                picked[inst.name] = inst
+        cursor = self.policy.cursor(stage)
+        start = next((i for i, inst in enumerate(pool) if self.position[inst.name] >= cursor), 0)
+        for i in range(len(pool)):
+            if len(picked) >= k:
+                break
+            inst = pool[(start + i) % len(pool)]
+            picked.setdefault(inst.name, inst)
+        return list(picked.values())
+
+    def _choice(self, req: RouteRequest, candidates: Sequence[Instance], now: float,
+                matched: dict[str, int] | None = None) -> Choice:
         cached: dict[str, int] = {}
         if req.block_hashes and self.needs_tokens:   # else nothing looks at what is cached
-            matched = self.index.match(req.block_hashes, [inst.name for inst in candidates], now)
+            names = {inst.name for inst in candidates}
+            if matched is None:
+                matched = self.index.match(req.block_hashes, names, now)
             for name, num_blocks in matched.items():
-                cached[name] = min(req.num_prompt_tokens, num_blocks * self.by_name[name].block_size)
+                if name in names:
+                    cached[name] = min(req.num_prompt_tokens, num_blocks * self.by_name[name].block_size)
         return Choice(req, cached, self.position, now)
 
     def _direct(self, candidates: Sequence[Instance], choice: Choice, reason: str) -> Route:

@@ -82,8 +82,9 @@ from pdserve.router.errors import (NETWORK_ERRORS, BackendError, ClientError, de
 from pdserve.router.hops import BODY_BYTES, JSON, encode_json, prefill_hop, push_params, release_transfer
 from pdserve.router.instances import Instance, Ticket
 from pdserve.router.metrics import ProxyMetrics
-from pdserve.router.monitor import DEFAULT_EJECT_AFTER, DEFAULT_POLL_INTERVAL_S, Monitor, StartupError
-from pdserve.router.policy import (DEFAULT_COST_TOLERANCE, DEFAULT_DIRECT_PREFILL_HEADROOM_S,
+from pdserve.router.monitor import (DEFAULT_EJECT_AFTER, DEFAULT_MAX_POLLS_PER_S, DEFAULT_POLL_INTERVAL_S, Monitor,
+                                    StartupError)
+from pdserve.router.policy import (DEFAULT_COST_TOLERANCE, DEFAULT_DIRECT_PREFILL_HEADROOM_S, DEFAULT_MAX_CANDIDATES,
                                    DEFAULT_MAX_HELD_FRACTION, DEFAULT_PD_MIN_PROMPT_TOKENS, POLICIES, Route, Router,
                                    RouterConfig, RouteRequest)
 from pdserve.router.recovery import final_hop
@@ -577,7 +578,7 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
                     max_recoveries: int = DEFAULT_MAX_RECOVERIES, policy: str = DEFAULT_POLICY,
                     router_config: RouterConfig | None = None, tokenizer: Any = None,
                     poll_interval: float = DEFAULT_POLL_INTERVAL_S, eject_after: int = DEFAULT_EJECT_AFTER,
-                    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_queued: int = DEFAULT_MAX_QUEUED,
+                    max_polls_per_s: float = DEFAULT_MAX_POLLS_PER_S, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_queued: int = DEFAULT_MAX_QUEUED,
                     startup_timeout: float | None = None, dynamic: bool = False) -> web.Application:
     """Prefill and decode instances (P/D), colocated instances, or all three (the router may then send a
     request to a colocated instance instead of splitting it).
@@ -601,10 +602,13 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
             raise ValueError(f"{name}: must be >= {low}, got {value}")
     if not poll_interval > 0:
         raise ValueError(f"poll_interval: must be > 0 seconds, got {poll_interval}")
+    if not 0 < max_polls_per_s < math.inf:
+        raise ValueError(f"max_polls_per_s: must be a positive number, got {max_polls_per_s}")
     instances = build_instances(prefill_urls, decode_urls, colocated_urls or ())
     router = Router(instances, policy, router_config or RouterConfig(), dynamic=dynamic)
     headers = {ROUTER_KEY_HEADER: router_key} if router_key is not None else {}
-    monitor = Monitor(router.instances, router.index, headers=headers, interval=poll_interval, eject_after=eject_after)
+    monitor = Monitor(router.instances, router.index, headers=headers, interval=poll_interval, eject_after=eject_after,
+                      max_polls_per_s=max_polls_per_s)
     proxy = Proxy(router, monitor, api_key, timeout, connect_timeout, router_key=router_key,
                   max_in_flight=max_in_flight, body_timeout=body_timeout, max_body_bytes=max_body_bytes,
                   max_recoveries=max_recoveries, tokenizer=tokenizer, queue_timeout=queue_timeout,
@@ -658,6 +662,11 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                         "one's count as equal, since the learned rates are noisy: the one with the longest cached "
                         "prefix among them wins, equal ones take turns "
                         f"(default {DEFAULT_COST_TOLERANCE:g}; 0: always the lowest estimate)")
+    g.add_argument("--max-candidates", type=int, default=DEFAULT_MAX_CANDIDATES, metavar="K",
+                   help="past K instances in a pool, a request considers K of them: those holding its longest "
+                        "cached prefixes (up to half), then the next ones in round-robin order, so that the "
+                        "router's work per request stays flat at hundreds of instances; all of them when none of "
+                        f"the K can take it (default {DEFAULT_MAX_CANDIDATES}; 0: always all)")
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -706,7 +715,12 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                    help="times one request may be resumed on another decode (or colocated) instance after "
                         "the one serving it failed; 0: never")
     g.add_argument("--poll-interval", type=float, default=DEFAULT_POLL_INTERVAL_S,
-                   help=f"seconds between two load reports asked of each instance (default {DEFAULT_POLL_INTERVAL_S:g})")
+                   help=f"seconds between two load reports asked of each instance (default {DEFAULT_POLL_INTERVAL_S:g}), "
+                        f"or longer past --max-polls-per-second")
+    g.add_argument("--max-polls-per-second", type=float, default=DEFAULT_MAX_POLLS_PER_S,
+                   help="load reports the router asks for per second, all instances together: past it each "
+                        "instance is polled less often, the polls spread over the round (at 500 instances every "
+                        f"0.1 s took 76 %% of the router's core on CPU; default {DEFAULT_MAX_POLLS_PER_S:g})")
     g.add_argument("--eject-after", type=int, default=DEFAULT_EJECT_AFTER,
                    help="failed checks in a row (polls, refused connections) that take an instance out of routing; "
                         f"it comes back on its first good poll (default {DEFAULT_EJECT_AFTER})")
@@ -720,7 +734,7 @@ def proxy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     shared with the Ray router actor, which takes the same flags. ValueError on a bad value."""
     config = RouterConfig(pd_min_prompt_tokens=args.pd_min_prompt_tokens,
                           max_per_instance=args.max_per_instance, max_held_fraction=args.max_held_fraction,
-                          cost_tolerance=args.cost_tolerance,
+                          cost_tolerance=args.cost_tolerance, max_candidates=args.max_candidates,
                           direct_prefill_headroom_s=args.direct_prefill_headroom)
     for name, upper in (("timeout", math.inf), ("connect_timeout", MAX_CONNECT_TIMEOUT_S)):
         if not 0 < getattr(args, name) <= upper:   # (also NaN; inf is no limit for --timeout, an aiohttp crash
@@ -732,6 +746,7 @@ def proxy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
                 max_recoveries=args.max_recoveries, policy=args.policy, router_config=config,
                 poll_interval=args.poll_interval, eject_after=args.eject_after,
+                max_polls_per_s=args.max_polls_per_second,
                 queue_timeout=args.queue_timeout, max_queued=args.max_queued)
 
 
