@@ -11,6 +11,7 @@ per --policies (cost needs the prompt's tokens: the router runs with --model def
 All processes share this machine's cores: the mocks' own CPU (answering the polls) competes with the router's.
 
   python benchmarks/cpu_router_scale.py --sizes 10,100,500 --out benchmarks/results/cpu-router-scale-DATE.json
+  python benchmarks/cpu_router_scale.py route --sizes 10,500 [--max-candidates 0]   # Router.route alone, in process
 """
 from __future__ import annotations
 
@@ -125,9 +126,43 @@ def measure(args: argparse.Namespace, work: Path, size: int, policy: str) -> dic
         procs.stop(mocks, timeout=10)
 
 
+def route_only(argv: list[str]) -> None:
+    """Router.route's own time per request, in this process: no HTTP, no polls; idle colocated instances
+    and random 64-token prompts."""
+    import random
+
+    from pdserve.router.instances import Instance
+    from pdserve.router.policy import Router, RouterConfig
+    p = argparse.ArgumentParser(prog="cpu_router_scale.py route")
+    p.add_argument("--sizes", default="10,500")
+    p.add_argument("--policies", default="round-robin,prefix-affinity,cost")
+    p.add_argument("--max-candidates", type=int, default=None, help="default: the router's")
+    p.add_argument("--requests", type=int, default=2000)
+    args = p.parse_args(argv)
+    report = {"boot_id": "b", "kv_role": None, "healthy": True, "health": "ok", "block_size": 16,
+              "hash_extra": "", "num_blocks": 100000, "num_free_blocks": 100000, "num_requests_running": 0,
+              "num_requests_waiting": 0, "kv_events": {"last_seq": 0, "reset": False, "snapshot": None, "batches": []}}
+    for size in (int(n) for n in args.sizes.split(",")):
+        for policy in args.policies.split(","):
+            instances = [Instance(f"i{i}", f"http://127.0.0.1:{30000 + i}", "colocated") for i in range(size)]
+            for inst in instances:
+                inst.update(dict(report), time.monotonic())
+            config = RouterConfig() if args.max_candidates is None else RouterConfig(max_candidates=args.max_candidates)
+            router, rng = Router(instances, policy, config), random.Random(0)
+            reqs = [router.request(64, 1, [rng.randrange(1000) for _ in range(64)]) for _ in range(args.requests)]
+            start = time.perf_counter()
+            for req in reqs:
+                router.route(req, now=time.monotonic())
+            print(f"{size:>5} instances, {policy:>15}: {1e6 * (time.perf_counter() - start) / len(reqs):7.0f} µs a route",
+                  flush=True)
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "mocks":
         serve_mocks(int(sys.argv[2]), int(sys.argv[3]))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "route":
+        route_only(sys.argv[2:])
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="10,100,500")

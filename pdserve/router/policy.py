@@ -38,9 +38,9 @@ DEFAULT_AFFINITY_MIN_CACHED = 0.5  # prefix-affinity: a cached prefix under this
 DEFAULT_DIRECT_PREFILL_HEADROOM_S = 1.0
 DEFAULT_COST_TOLERANCE = 0.2       # cost: estimates within this fraction of the best are a tie (round-robin)
 # Past this many instances of a pool, a request looks at a sample of them (Router._sample): at 500 instances
-# a full scan cost 424 µs a request under round-robin and 1.5 ms under cost, in Python (found on CPU,
-# benchmarks/cpu_router_scale.py), where a sample of 32 keeps the choice close to the full one's (the power of
-# d choices) and the cost flat.
+# a full scan cost 379 µs a request under round-robin and 1.5 ms under cost, in Python (found on CPU,
+# benchmarks/cpu_router_scale.py route), where a sample of 32 keeps the choice close to the full one's (the
+# power of d choices) and the cost flat.
 DEFAULT_MAX_CANDIDATES = 32
 
 
