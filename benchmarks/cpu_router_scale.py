@@ -11,7 +11,8 @@ per --policies (cost needs the prompt's tokens: the router runs with --model def
 All processes share this machine's cores: the mocks' own CPU (answering the polls) competes with the router's.
 
   python benchmarks/cpu_router_scale.py --sizes 10,100,500 --out benchmarks/results/cpu-router-scale-DATE.json
-  python benchmarks/cpu_router_scale.py route --sizes 10,500 [--max-candidates 0]   # Router.route alone, in process
+  python benchmarks/cpu_router_scale.py route --sizes 10,500 [--max-candidates 0] [--shared-first-block]
+                                                        # Router.route alone, in process
 """
 from __future__ import annotations
 
@@ -138,6 +139,8 @@ def route_only(argv: list[str]) -> None:
     p.add_argument("--policies", default="round-robin,prefix-affinity,cost")
     p.add_argument("--max-candidates", type=int, default=None, help="default: the router's")
     p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--shared-first-block", action="store_true",
+                   help="every instance holds the prompts' first block (a chat template's), in the prefix index")
     args = p.parse_args(argv)
     report = {"boot_id": "b", "kv_role": None, "healthy": True, "health": "ok", "block_size": 16,
               "hash_extra": "", "num_blocks": 100000, "num_free_blocks": 100000, "num_requests_running": 0,
@@ -149,7 +152,14 @@ def route_only(argv: list[str]) -> None:
                 inst.update(dict(report), time.monotonic())
             config = RouterConfig() if args.max_candidates is None else RouterConfig(max_candidates=args.max_candidates)
             router, rng = Router(instances, policy, config), random.Random(0)
-            reqs = [router.request(64, 1, [rng.randrange(1000) for _ in range(64)]) for _ in range(args.requests)]
+            head = [rng.randrange(1000) for _ in range(16)] if args.shared_first_block else []
+            reqs = [router.request(64, 1, head + [rng.randrange(1000) for _ in range(64 - len(head))])
+                    for _ in range(args.requests)]
+            if head:
+                first = router.request(16, 1, head).block_hashes
+                for inst in instances:
+                    router.index.apply_report(inst.name, {"last_seq": 1, "reset": True, "snapshot": list(first),
+                                                          "batches": []}, time.monotonic())
             start = time.perf_counter()
             for req in reqs:
                 router.route(req, now=time.monotonic())

@@ -58,11 +58,13 @@ class Monitor:
         # The router's own list, not a copy: instances it adds are polled from the next round on.
         self.instances, self.index = instances, index
         self.headers, self.interval, self.timeout, self.eject_after = headers, interval, timeout, eject_after
+        if not 0 < max_polls_per_s < float("inf"):
+            raise ValueError(f"max_polls_per_s: must be a positive number, got {max_polls_per_s}")
         self.max_polls_per_s = max_polls_per_s
         self.session: aiohttp.ClientSession | None = None
         self.boot_ids: dict[str, str] = {}
         self.no_load_route: set[str] = set()   # instances answering /v1/load with 404
-        self.on_round = lambda: None            # called after every poll round: waiters for capacity look again
+        self.on_round = lambda: None            # called after every slice of polls: waiters for capacity look again
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         self.session = session
@@ -71,37 +73,44 @@ class Monitor:
             while True:
                 started = time.monotonic()
                 round_s = self.round_seconds()
-                due = [inst for inst in self.instances if inst.name not in polls]
+                due = list(self.instances)
                 slices = max(1, min(len(due), round(round_s / self.interval)))
                 for i in range(slices):   # (one slice a round, up to max_polls_per_s x interval instances)
-                    for inst in due[i::slices]:
-                        if not inst.removed:
+                    # An instance whose last poll failed is asked again every slice until it is ejected, so
+                    # that ejection takes eject_after intervals however long the round (review).
+                    failing = [inst for inst in self.instances if 0 < inst.consecutive_failures < self.eject_after]
+                    for inst in due[i::slices] + failing:
+                        if inst.name not in polls and not inst.removed:
                             polls[inst.name] = asyncio.create_task(self.poll(inst))
-                    if i + 1 < slices:
-                        await asyncio.sleep(max(0.0, started + (i + 1) * round_s / slices - time.monotonic()))
-                # A round waits one round at most: an instance that answers slowly, or not at all (until its
-                # poll's timeout), must not hold back every other instance's polls (a hostile test: one hung
-                # /v1/load made every round last the 2 s timeout, and a dead instance took 6 s to eject).
-                if polls:
-                    await asyncio.wait(polls.values(), timeout=max(0.0, started + round_s - time.monotonic()))
-                members = {inst.name: inst for inst in self.instances}
-                for name, task in list(polls.items()):
-                    if (inst := members.get(name)) is None:   # removed from the cluster meanwhile
-                        task.cancel()
-                        del polls[name]
-                        self.forget(name)
-                    elif task.done():
-                        del polls[name]
-                        # One poll's unexpected error must not end the polls (nothing would be re-admitted).
-                        if (error := task.exception()) is not None:
-                            logger.error("polling %s failed", inst.name, exc_info=error)
-                            self.failed(inst, f"poll error: {type(error).__name__}")
-                self.index.purge(time.monotonic())
-                self.on_round()
-                await asyncio.sleep(max(0.0, round_s - (time.monotonic() - started)))
+                    # A slice waits its share of the round at most: an instance that answers slowly, or not at
+                    # all (until its poll's timeout), must not hold back every other instance's polls (a
+                    # hostile test: one hung /v1/load made every round last the 2 s timeout, and a dead
+                    # instance took 6 s to eject).
+                    end = started + (i + 1) * round_s / slices
+                    if polls:
+                        await asyncio.wait(polls.values(), timeout=max(0.0, end - time.monotonic()))
+                    self._reap(polls)
+                    self.index.purge(time.monotonic())
+                    self.on_round()   # (every slice: waiters for capacity see what its polls brought)
+                    await asyncio.sleep(max(0.0, end - time.monotonic()))
         finally:
             for task in polls.values():
                 task.cancel()
+
+    def _reap(self, polls: dict[str, asyncio.Task]) -> None:
+        """Polls that ended, and those of instances removed from the cluster meanwhile (cancelled)."""
+        members = {inst.name: inst for inst in self.instances}
+        for name, task in list(polls.items()):
+            if (inst := members.get(name)) is None:   # removed from the cluster meanwhile
+                task.cancel()
+                del polls[name]
+                self.forget(name)
+            elif task.done():
+                del polls[name]
+                # One poll's unexpected error must not end the polls (nothing would be re-admitted).
+                if (error := task.exception()) is not None:
+                    logger.error("polling %s failed", inst.name, exc_info=error)
+                    self.failed(inst, f"poll error: {type(error).__name__}")
 
     def round_seconds(self) -> float:
         """How long one round (every instance asked once) lasts: the interval, or longer past the poll budget."""

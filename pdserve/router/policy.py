@@ -11,6 +11,7 @@ and its predictions of which instance will cache the prompt.
 from __future__ import annotations
 
 import heapq
+import random
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,8 +38,8 @@ DEFAULT_BALANCE_REQUESTS = 16      # ... a D this many requests in flight above 
 DEFAULT_AFFINITY_MIN_CACHED = 0.5  # prefix-affinity: a cached prefix under this share of the prompt is a miss
 DEFAULT_DIRECT_PREFILL_HEADROOM_S = 1.0
 DEFAULT_COST_TOLERANCE = 0.2       # cost: estimates within this fraction of the best are a tie (round-robin)
-# Past this many instances of a pool, a request looks at a sample of them (Router._sample): at 500 instances
-# a full scan cost 379 µs a request under round-robin and 1.5 ms under cost, in Python (found on CPU,
+# Past this many instances of a pool, a request under a load-aware policy looks at a sample of them
+# (Router._sample): at 500 instances a full scan cost 1.5 ms a request under cost, in Python (found on CPU,
 # benchmarks/cpu_router_scale.py route), where a sample of 32 keeps the choice close to the full one's (the
 # power of d choices) and the cost flat.
 DEFAULT_MAX_CANDIDATES = 32
@@ -169,6 +170,7 @@ class RoutingPolicy:
     label for the counters. Holds a round-robin cursor per stage: ties go round, so equal instances share."""
     name: ClassVar[str] = ""
     uses_prefix: ClassVar[bool] = False   # needs the prompt's block hashes
+    samples: ClassVar[bool] = True        # may choose among a sample of a large pool (Router._sample)
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()
@@ -176,10 +178,6 @@ class RoutingPolicy:
 
     def choose(self, stage: str, candidates: Sequence[Instance], choice: Choice) -> tuple[Instance, str]:
         raise NotImplementedError
-
-    def cursor(self, stage: str) -> int:
-        """The stage's round-robin cursor: the router's order position the next rotation starts at."""
-        return self._cursor.get(stage, 0)
 
     def rotate(self, stage: str, candidates: Sequence[Instance], choice: Choice, commit: bool = True) -> Instance:
         """The first candidate at or after the stage's cursor in the router's order; commit: move the cursor
@@ -203,6 +201,7 @@ class RoutingPolicy:
 
 class RoundRobinPolicy(RoutingPolicy):
     name = "round-robin"
+    samples = False   # the next instance in order is a full scan's answer
 
     def choose(self, stage, candidates, choice):
         return self.rotate(stage, candidates, choice), "next"
@@ -277,6 +276,7 @@ class Router:
         self.position: dict[str, int] = {}   # tie-break order: the order instances joined in
         self._next_position = 0
         self.has_prefill_pool = False
+        self._rng = random.Random(0)   # where _sample's windows start: seeded, so that a route can be replayed
         self.index = index if index is not None else PrefixIndex()
         for inst in instances:
             self.add(inst)
@@ -354,9 +354,8 @@ class Router:
     def route(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0) -> Route | None:
         """Where the request goes; None when no instance can take it. exclude: names that failed it."""
         matched = self._matched(req, now)
-        prefills = self._candidates(("prefill",), PREFILL, req, exclude, now, matched)
-        directs = self._candidates(("decode", "colocated"), DECODE if self.has_prefill_pool else DIRECT, req,
-                                   exclude, now, matched)
+        prefills = self._candidates(("prefill",), req, exclude, now, matched)
+        directs = self._candidates(("decode", "colocated"), req, exclude, now, matched)
         if not directs:
             self.num_no_candidate += 1
             return None
@@ -374,6 +373,10 @@ class Router:
             return self._saturated(directs, choice, exclude)
         if not decodes:   # no D can take a P's KV now, but colocated instances can serve on their own
             return self._direct(directs, choice, "colocated")
+        if self._backlogged(prefills) and len(prefills) < self._pool_size(("prefill",)):
+            # Every sampled P backlogged is not every P: a D must not prefill while one outside is idle (review).
+            prefills = self._candidates(("prefill",), req, exclude, now, None, whole=True)
+            choice = self._choice(req, prefills + directs, now, matched)
         if self._backlogged(prefills):
             candidates = self._with_headroom(directs, choice)
             if candidates:
@@ -443,37 +446,49 @@ class Router:
             return None
         return self.index.match(req.block_hashes, None, now)
 
-    def _candidates(self, roles: tuple[str, ...], stage: str, req: RouteRequest, exclude: Collection[str],
-                    now: float, matched: dict[str, int] | None) -> list[Instance]:
+    def _pool_size(self, roles: tuple[str, ...]) -> int:
+        return sum(inst.role in roles for inst in self.instances)
+
+    def _candidates(self, roles: tuple[str, ...], req: RouteRequest, exclude: Collection[str], now: float,
+                    matched: dict[str, int] | None, whole: bool = False) -> list[Instance]:
         """The instances of these roles that may take the request (_admits): all of them, or past
-        max_candidates a sample (_sample), and all of them again when no sampled one may."""
+        max_candidates (unless whole) a sample (_sample), and all of them again when no sampled one may."""
         pool = [inst for inst in self.instances if inst.role in roles]
-        sample = self._sample(pool, stage, matched)
+        sample = pool if whole else self._sample(pool, roles, matched)
         admitted = [inst for inst in sample if self._admits(inst, req, exclude, now)]
         if not admitted and len(sample) < len(pool):
             admitted = [inst for inst in pool if self._admits(inst, req, exclude, now)]
         return admitted
 
-    def _sample(self, pool: list[Instance], stage: str, matched: dict[str, int] | None) -> list[Instance]:
-        """At most max_candidates of the pool: the holders of the prompt's longest prefixes (up to half), then
-        the next instances in the router's order from the stage's round-robin cursor, so that round-robin
-        stays exact (it takes the first of them it admits) and the load-aware policies compare a window that
-        moves on with every request (each instance in as many windows as any other)."""
+    def _sample(self, pool: list[Instance], roles: tuple[str, ...], matched: dict[str, int] | None) -> list[Instance]:
+        """For a policy that weighs load (not round-robin, whose next instance needs no comparison), at most
+        max_candidates of a larger pool: the available instances holding more of the prompt than most of the
+        pool does (up to half the sample; ties taken in turn), then a window of the pool in the router's
+        order from a random place (the router's own seeded generator): every instance is in as many windows
+        as any other, on average, whatever was picked and whatever the traffic's pattern (a window that
+        followed the picks stayed on 32 of 100 instances while a hot prefix drew half the requests, one that
+        moved by a fixed step locked onto every other instance under alternating traffic: review)."""
         k = self.config.max_candidates
-        if not k or len(pool) <= k:
+        if not k or len(pool) <= k or not self.policy.samples:
             return pool
+        cursor = self._rng.randrange(len(pool))
         picked: dict[str, Instance] = {}
-        if matched:   # (every chat prompt's first block may be on every instance: the top few, not a sort)
-            roles = {inst.role for inst in pool}
-            holders = (inst for name in matched if (inst := self.by_name.get(name)) is not None and inst.role in roles)
-            for inst in heapq.nlargest(k // 2, holders, key=lambda i: matched[i.name]):
-                picked[inst.name] = inst
-        cursor = self.policy.cursor(stage)
-        start = next((i for i, inst in enumerate(pool) if self.position[inst.name] >= cursor), 0)
+        if matched:
+            counts = [matched[name] for name in matched if (i := self.by_name.get(name)) is not None and i.role in roles]
+            # Held by (nearly) the whole pool, a block tells instances apart no more than none does: a chat
+            # template's first block is on every instance.
+            baseline = min(counts) if len(counts) >= len(pool) else 0
+            holders = [inst for name, n in matched.items() if n > baseline and (inst := self.by_name.get(name))
+                       is not None and inst.role in roles and inst.is_available]
+            if holders:
+                order = {inst.name: i for i, inst in enumerate(pool)}
+                for inst in heapq.nsmallest(k // 2, holders, key=lambda i: (-matched[i.name],
+                                                                            (order[i.name] - cursor) % len(pool))):
+                    picked[inst.name] = inst
         for i in range(len(pool)):
             if len(picked) >= k:
                 break
-            inst = pool[(start + i) % len(pool)]
+            inst = pool[(cursor + i) % len(pool)]
             picked.setdefault(inst.name, inst)
         return list(picked.values())
 

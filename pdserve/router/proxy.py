@@ -663,10 +663,11 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                         "prefix among them wins, equal ones take turns "
                         f"(default {DEFAULT_COST_TOLERANCE:g}; 0: always the lowest estimate)")
     g.add_argument("--max-candidates", type=int, default=DEFAULT_MAX_CANDIDATES, metavar="K",
-                   help="past K instances in a pool, a request considers K of them: those holding its longest "
-                        "cached prefixes (up to half), then the next ones in round-robin order, so that the "
-                        "router's work per request stays flat at hundreds of instances; all of them when none of "
-                        f"the K can take it (default {DEFAULT_MAX_CANDIDATES}; 0: always all)")
+                   help="past K instances in a pool, a request under a load-aware policy (least-load, "
+                        "prefix-affinity, cost) considers K of them: those holding more of its prompt than most "
+                        "(up to half), then a window of the pool from a random place, so that the router's work "
+                        "per request stays flat at hundreds of instances; all of them when none of the K can take "
+                        f"it (default {DEFAULT_MAX_CANDIDATES}; 0: always all; round-robin never samples)")
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:

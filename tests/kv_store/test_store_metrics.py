@@ -74,3 +74,12 @@ def test_a_metrics_port_in_use_is_refused_at_start():
         assert f"--metrics-port {taken.port}" in open(store.log.name).read()
     finally:
         taken.stop()
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "x"])
+def test_a_metrics_port_out_of_range_is_a_usage_error(port, capsys):
+    """Before, 70000 reached bind() and ended the store with an OverflowError traceback (review)."""
+    from pdserve import cli
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["kv-store", "--metrics-port", port])
+    assert e.value.code == 2 and "a port is 0 to 65535" in capsys.readouterr().err

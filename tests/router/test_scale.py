@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.router.instances import Instance
 from pdserve.router.monitor import Monitor
-from pdserve.router.policy import DIRECT, Router, RouterConfig, RouteRequest
+from pdserve.router.policy import Router, RouterConfig, RouteRequest
 from pdserve.router.prefix_index import PrefixIndex
 
 REPORT = {"boot_id": "b", "kv_role": None, "healthy": True, "health": "ok", "block_size": 16, "hash_extra": "",
@@ -52,6 +52,38 @@ def test_the_polls_keep_to_their_budget_and_spread_over_the_round():
     assert first_round[-1] - first_round[0] >= 0.15   # in slices over the round, not one burst
     assert {name for _, name in monitor.asked[:50]} == {inst.name for inst in instances}   # each once a round
     assert CountingMonitor(colocated(10), PrefixIndex(), headers={}, interval=0.1).round_seconds() == 0.1
+    with pytest.raises(ValueError, match="max_polls_per_s"):
+        Monitor(instances, PrefixIndex(), headers={}, max_polls_per_s=0)
+
+
+class RefusingMonitor(CountingMonitor):
+    async def fetch(self, inst):
+        self.asked.append((time.monotonic(), inst.name))
+        if inst.name == "i0":
+            raise ValueError("refused")
+        return dict(REPORT)
+
+
+def test_an_instance_that_fails_is_ejected_within_eject_after_intervals_however_long_the_round():
+    """Before the out-of-turn polls a failing instance was asked once a round: 3 rounds of 3 s at 3,000
+    instances before its ejection (review)."""
+    instances = colocated(200)
+    monitor = RefusingMonitor(instances, PrefixIndex(), headers={}, interval=0.05, max_polls_per_s=200,
+                              eject_after=3)
+    assert monitor.round_seconds() == pytest.approx(1.0)
+    rounds = []
+    monitor.on_round = lambda: rounds.append(time.monotonic())
+
+    async def run():
+        task = asyncio.create_task(monitor.run(None))
+        began = time.monotonic()
+        while instances[0].is_available and time.monotonic() - began < 5:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        return time.monotonic() - began
+    assert asyncio.run(run()) < 0.6   # 3 failures a slice apart, not a round apart
+    gaps = [b - a for a, b in zip(rounds, rounds[1:])]
+    assert gaps and max(gaps) < 0.2   # waiters for capacity hear of every slice
 
 
 def route_names(router: Router, n: int, req: RouteRequest | None = None) -> list[str]:
@@ -62,9 +94,72 @@ def route_names(router: Router, n: int, req: RouteRequest | None = None) -> list
     return names
 
 
-def test_round_robin_over_a_sampled_pool_stays_exact():
-    router = Router(colocated(100), "round-robin", RouterConfig(max_candidates=8))
+def test_round_robin_over_a_large_pool_stays_exact():
+    router = Router(colocated(100), "round-robin", RouterConfig(max_candidates=8))   # (it never samples)
     assert route_names(router, 250) == [f"i{i % 100}" for i in range(250)]
+
+
+@pytest.mark.parametrize("policy", ["least-load", "cost", "prefix-affinity"])
+def test_equal_instances_of_a_sampled_pool_are_each_taken_in_turn(policy):
+    """Before, the window followed a cursor that only some picks moved: short prompts routed straight to D
+    reached 32 of 100 decode instances, and a window jumping by its length 25 of them (review)."""
+    instances = [Instance("p0", "http://127.0.0.1:40990", "prefill")] + [
+        Instance(f"d{i}", f"http://127.0.0.1:{41000 + i}", "decode") for i in range(100)]
+    for inst in instances:
+        inst.update({**REPORT, "kv_role": "producer" if inst.role == "prefill" else "consumer"}, time.monotonic())
+    router = Router(instances, policy, RouterConfig(max_candidates=32, pd_min_prompt_tokens=64))
+    names = route_names(router, 300)   # 8-token prompts: straight to a D
+    assert len(set(names)) >= 95 and max(map(names.count, set(names))) <= 10   # (a full scan: 100, 3)
+
+
+def test_misses_spread_over_the_whole_pool_while_a_hot_prefix_draws_half_the_requests():
+    """Before, every hit on the hot prefix's holder (i5) moved the cursor the window started at to i6, so every
+    miss saw i6..i37 only (review)."""
+    index = PrefixIndex()
+    router = Router(colocated(100), "prefix-affinity", RouterConfig(max_candidates=32, balance_requests=10**6),
+                    index)
+    hot = RouteRequest.from_token_ids(list(range(64)), 16, 16, "")
+    index.apply_report("i5", {"last_seq": 1, "reset": True, "snapshot": list(hot.block_hashes), "batches": []},
+                       time.monotonic())
+    live, missed = [], set()
+    for n in range(2000):
+        req = hot if n % 2 else RouteRequest.from_token_ids([1000 + n] * 64, 16, 16, "")
+        route = router.route(req, now=time.monotonic())
+        live.append((route.decode, router.begin(route.decode, req, time.monotonic(), computes_prompt=True)))
+        if n % 2:
+            assert route.decode.name == "i5"
+        else:
+            missed.add(route.decode.name)
+        if len(live) > 150:   # 150 requests in flight
+            router.end(*live.pop(0))
+    assert len(missed) >= 95   # (with the window at the picks' cursor: 32)
+
+
+def test_a_d_prefills_only_when_every_p_is_backlogged_not_only_the_sampled_ones():
+    instances = [Instance(f"p{i}", f"http://127.0.0.1:{41000 + i}", "prefill") for i in range(40)]
+    instances += [Instance("d0", "http://127.0.0.1:42000", "decode")]
+    for n, inst in enumerate(instances):
+        busy = inst.role == "prefill" and n < 32   # the window's 32 have a long queue, 8 are idle
+        inst.update({**REPORT, "kv_role": "producer" if inst.role == "prefill" else "consumer",
+                     "num_prefill_tokens_waiting": 10**7 if busy else 0}, time.monotonic())
+    route = Router(instances, "least-load", RouterConfig(max_candidates=32)).route(RouteRequest(512, 16),
+                                                                                   now=time.monotonic())
+    assert route.reason == "disaggregated" and route.prefill.name in {f"p{i}" for i in range(32, 40)}
+
+
+def test_a_block_every_instance_holds_takes_no_place_in_the_sample():
+    """A chat template's first block is on every instance: it must not give the same 16 instances the
+    holders' half of every sample (review)."""
+    index = PrefixIndex()
+    router = Router(colocated(100), "cost", RouterConfig(max_candidates=8), index)
+    template = RouteRequest.from_token_ids(list(range(16)), 1, 16, "")
+    for inst in reversed(router.instances):
+        index.apply_report(inst.name, {"last_seq": 1, "reset": True, "snapshot": list(template.block_hashes),
+                                       "batches": []}, time.monotonic())
+    req = RouteRequest.from_token_ids(list(range(16)) + [999] * 16, 1, 16, "")
+    sample = router._sample(router.instances, ("decode", "colocated"), router._matched(req, time.monotonic()))
+    start = int(sample[0].name[1:])
+    assert [inst.name for inst in sample] == [f"i{(start + i) % 100}" for i in range(8)]   # the window alone
 
 
 def test_the_prompts_prefix_holders_are_always_candidates():
@@ -74,7 +169,7 @@ def test_the_prompts_prefix_holders_are_always_candidates():
     req = RouteRequest.from_token_ids(list(range(64)), 1, 16, "")
     index.apply_report("i77", {"last_seq": 1, "reset": True, "snapshot": list(req.block_hashes), "batches": []},
                        time.monotonic())
-    sample = router._sample(router.instances, DIRECT, router._matched(req, time.monotonic()))
+    sample = router._sample(router.instances, ("decode", "colocated"), router._matched(req, time.monotonic()))
     assert len(sample) == 8 and "i77" in {inst.name for inst in sample}
     assert route_names(router, 1, req) == ["i77"]
 
