@@ -474,7 +474,8 @@ class Router:
         cursor = self._rng.randrange(len(pool))
         picked: dict[str, Instance] = {}
         if matched:
-            counts = [matched[name] for name in matched if (i := self.by_name.get(name)) is not None and i.role in roles]
+            counts = [n for name, n in matched.items()
+                      if (inst := self.by_name.get(name)) is not None and inst.role in roles]
             # Held by (nearly) the whole pool, a block tells instances apart no more than none does: a chat
             # template's first block is on every instance.
             baseline = min(counts) if len(counts) >= len(pool) else 0

@@ -578,7 +578,8 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
                     max_recoveries: int = DEFAULT_MAX_RECOVERIES, policy: str = DEFAULT_POLICY,
                     router_config: RouterConfig | None = None, tokenizer: Any = None,
                     poll_interval: float = DEFAULT_POLL_INTERVAL_S, eject_after: int = DEFAULT_EJECT_AFTER,
-                    max_polls_per_s: float = DEFAULT_MAX_POLLS_PER_S, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_queued: int = DEFAULT_MAX_QUEUED,
+                    max_polls_per_s: float = DEFAULT_MAX_POLLS_PER_S,
+                    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, max_queued: int = DEFAULT_MAX_QUEUED,
                     startup_timeout: float | None = None, dynamic: bool = False) -> web.Application:
     """Prefill and decode instances (P/D), colocated instances, or all three (the router may then send a
     request to a colocated instance instead of splitting it).
