@@ -132,19 +132,20 @@ def router_throughput(args: argparse.Namespace, work: Path, loop: str) -> dict:
             procs.stop(mock, timeout=10)
 
 
-def serve_mock(port: int) -> None:
-    """An instance that answers at once: /v1/load as a colocated pdserve instance with nothing to do, and
-    one token for every completion (JSON or SSE)."""
+def mock_app(report: str | None = None):
+    """An instance that answers at once: /v1/load as a colocated pdserve instance with nothing to do (report:
+    its JSON, else a fresh boot's), and one token for every completion (JSON or SSE)."""
     from aiohttp import web
 
     from pdserve import protocol
-    boot_id = uuid.uuid4().hex
+    if report is None:
+        report = json.dumps({"boot_id": uuid.uuid4().hex, "kv_role": None, "healthy": True, "health": "ok",
+                             "block_size": 16, "hash_extra": "", "num_blocks": 100000, "num_free_blocks": 100000,
+                             "num_requests_running": 0, "num_requests_waiting": 0,
+                             "kv_events": {"last_seq": 0, "reset": False, "snapshot": None, "batches": []}})
 
     async def load(request: web.Request) -> web.Response:
-        return web.json_response({"boot_id": boot_id, "kv_role": None, "healthy": True, "health": "ok",
-                                  "block_size": 16, "hash_extra": "", "num_blocks": 100000,
-                                  "num_free_blocks": 100000, "num_requests_running": 0, "num_requests_waiting": 0,
-                                  "kv_events": {"last_seq": 0, "reset": False, "snapshot": None, "batches": []}})
+        return web.Response(text=report, content_type="application/json")
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -168,7 +169,12 @@ def serve_mock(port: int) -> None:
     app.add_routes([web.get("/health", lambda r: web.json_response({"status": "ok"})), web.get("/v1/load", load),
                     web.get("/v1/models", lambda r: web.json_response(protocol.models_response("mock", 2048))),
                     web.post("/v1/completions", completions)])
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    return app
+
+
+def serve_mock(port: int) -> None:
+    from aiohttp import web
+    web.run_app(mock_app(), host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 def main() -> int:

@@ -26,55 +26,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import procs  # noqa: E402
-from cpu_router_overhead import cpu_seconds  # noqa: E402
+from cpu_router_overhead import cpu_seconds, mock_app  # noqa: E402
 
 
 def serve_mocks(first_port: int, count: int) -> None:
-    """`count` idle colocated instances on first_port.., in one process and one event loop."""
+    """`count` idle colocated instances (cpu_router_overhead.mock_app) on first_port.., in one process and one
+    event loop."""
     import asyncio
-    import uuid
 
     from aiohttp import web
 
-    from pdserve import protocol
-
-    def app_for() -> web.Application:
-        boot_id = uuid.uuid4().hex
-        report = json.dumps({"boot_id": boot_id, "kv_role": None, "healthy": True, "health": "ok", "block_size": 16,
-                             "hash_extra": "", "num_blocks": 100000, "num_free_blocks": 100000,
-                             "num_requests_running": 0, "num_requests_waiting": 0,
-                             "kv_events": {"last_seq": 0, "reset": False, "snapshot": None, "batches": []}})
-
-        async def load(request: web.Request) -> web.Response:
-            return web.Response(text=report, content_type="application/json")
-
-        async def completions(request: web.Request) -> web.StreamResponse:
-            body = await request.json()
-            usage = protocol.usage(8, 1)
-            if not body.get("stream"):
-                return web.json_response(protocol.completion_response("id-m", "mock", "x", "length", usage))
-            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await out.prepare(request)
-            chunk = protocol.completion_chunk("id-m", "mock", 0, "x")
-            if body.get("router_token_ids"):
-                chunk["router_token_ids"] = [42]
-            await out.write(protocol.sse_event(chunk) + protocol.sse_event(
-                protocol.completion_chunk("id-m", "mock", 0, "", "length")))
-            if (body.get("stream_options") or {}).get("include_usage"):
-                await out.write(protocol.sse_event(protocol.usage_chunk("id-m", "mock", 0, usage, chat=False)))
-            await out.write(protocol.SSE_DONE)
-            await out.write_eof()
-            return out
-
-        app = web.Application()
-        app.add_routes([web.get("/health", lambda r: web.json_response({"status": "ok"})), web.get("/v1/load", load),
-                        web.get("/v1/models", lambda r: web.json_response(protocol.models_response("mock", 2048))),
-                        web.post("/v1/completions", completions)])
-        return app
-
     async def run() -> None:
         for port in range(first_port, first_port + count):
-            runner = web.AppRunner(app_for(), access_log=None)
+            runner = web.AppRunner(mock_app(), access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
         print(f"serving {count} mocks", flush=True)
