@@ -179,6 +179,10 @@ class RoutingPolicy:
     def choose(self, stage: str, candidates: Sequence[Instance], choice: Choice) -> tuple[Instance, str]:
         raise NotImplementedError
 
+    def cursor(self, stage: str) -> int:
+        """The stage's round-robin cursor: the router's order position the next rotation starts at."""
+        return self._cursor.get(stage, 0)
+
     def rotate(self, stage: str, candidates: Sequence[Instance], choice: Choice, commit: bool = True) -> Instance:
         """The first candidate at or after the stage's cursor in the router's order; commit: move the cursor
         past it (else only look)."""
@@ -201,7 +205,7 @@ class RoutingPolicy:
 
 class RoundRobinPolicy(RoutingPolicy):
     name = "round-robin"
-    samples = False   # the next instance in order is a full scan's answer
+    samples = False   # its sample is the window after its cursors (Router._window_after), not a random one
 
     def choose(self, stage, candidates, choice):
         return self.rotate(stage, candidates, choice), "next"
@@ -354,8 +358,8 @@ class Router:
     def route(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0) -> Route | None:
         """Where the request goes; None when no instance can take it. exclude: names that failed it."""
         matched = self._matched(req, now)
-        prefills = self._candidates(("prefill",), req, exclude, now, matched)
-        directs = self._candidates(("decode", "colocated"), req, exclude, now, matched)
+        prefills = self._candidates(("prefill",), req, exclude, now, matched, (PREFILL,))
+        directs = self._candidates(("decode", "colocated"), req, exclude, now, matched, (DECODE, DIRECT))
         if not directs:
             self.num_no_candidate += 1
             return None
@@ -375,7 +379,7 @@ class Router:
             return self._direct(directs, choice, "colocated")
         if self._backlogged(prefills) and len(prefills) < self._pool_size(("prefill",)):
             # Every sampled P backlogged is not every P: a D must not prefill while one outside is idle (review).
-            prefills = self._candidates(("prefill",), req, exclude, now, None, whole=True)
+            prefills = self._candidates(("prefill",), req, exclude, now, None, (PREFILL,), whole=True)
             choice = self._choice(req, prefills + directs, now, matched)
         if self._backlogged(prefills):
             candidates = self._with_headroom(directs, choice)
@@ -450,18 +454,38 @@ class Router:
         return sum(inst.role in roles for inst in self.instances)
 
     def _candidates(self, roles: tuple[str, ...], req: RouteRequest, exclude: Collection[str], now: float,
-                    matched: dict[str, int] | None, whole: bool = False) -> list[Instance]:
+                    matched: dict[str, int] | None, stages: tuple[str, ...], whole: bool = False) -> list[Instance]:
         """The instances of these roles that may take the request (_admits): all of them, or past
-        max_candidates (unless whole) a sample (_sample), and all of them again when no sampled one may."""
+        max_candidates (unless whole) a sample, and all of them again when no sampled one may. stages: those
+        that choose among them (round-robin's sample starts at their cursors)."""
         pool = [inst for inst in self.instances if inst.role in roles]
-        sample = pool if whole else self._sample(pool, roles, matched)
+        k = self.config.max_candidates
+        if whole or not k or len(pool) <= k:
+            sample = pool
+        elif self.policy.samples:
+            sample = self._sample(pool, roles, matched)
+        else:
+            sample = self._window_after(pool, stages, k)
         admitted = [inst for inst in sample if self._admits(inst, req, exclude, now)]
         if not admitted and len(sample) < len(pool):
             admitted = [inst for inst in pool if self._admits(inst, req, exclude, now)]
         return admitted
 
+    def _window_after(self, pool: list[Instance], stages: tuple[str, ...], k: int) -> list[Instance]:
+        """Round-robin's sample: the k instances of the pool at and after each stage's cursor, in the router's
+        order (wrapping). Its answer is then a full scan's: the first admitted instance at or after the cursor
+        lies in the window unless none there is admitted, and then the whole pool is scanned."""
+        picked: dict[str, Instance] = {}
+        for stage in stages:
+            cursor = self.policy.cursor(stage)
+            start = next((i for i, inst in enumerate(pool) if self.position[inst.name] >= cursor), 0)
+            for i in range(k):
+                inst = pool[(start + i) % len(pool)]
+                picked.setdefault(inst.name, inst)
+        return list(picked.values())
+
     def _sample(self, pool: list[Instance], roles: tuple[str, ...], matched: dict[str, int] | None) -> list[Instance]:
-        """For a policy that weighs load (not round-robin, whose next instance needs no comparison), at most
+        """For a policy that weighs load (round-robin's is _window_after), at most
         max_candidates of a larger pool: the available instances holding more of the prompt than most of the
         pool does (up to half the sample; ties taken in turn), then a window of the pool in the router's
         order from a random place (the router's own seeded generator): every instance is in as many windows
@@ -469,8 +493,6 @@ class Router:
         followed the picks stayed on 32 of 100 instances while a hot prefix drew half the requests, one that
         moved by a fixed step locked onto every other instance under alternating traffic: review)."""
         k = self.config.max_candidates
-        if not k or len(pool) <= k or not self.policy.samples:
-            return pool
         cursor = self._rng.randrange(len(pool))
         picked: dict[str, Instance] = {}
         if matched:

@@ -668,7 +668,8 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                         "prefix-affinity, cost) considers K of them: those holding more of its prompt than most "
                         "(up to half), then a window of the pool from a random place, so that the router's work "
                         "per request stays flat at hundreds of instances; all of them when none of the K can take "
-                        f"it (default {DEFAULT_MAX_CANDIDATES}; 0: always all; round-robin never samples)")
+                        f"it (default {DEFAULT_MAX_CANDIDATES}; 0: always all); round-robin looks at the K after "
+                        "its cursor, which gives a full scan's answer")
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,8 @@ import asyncio
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.router.instances import Instance
 from pdserve.router.monitor import Monitor
@@ -185,3 +187,35 @@ def test_an_instance_outside_the_sample_takes_the_request_when_no_sampled_one_ca
 def test_a_sample_size_of_one_is_refused():
     with pytest.raises(ValueError, match="max_candidates"):
         RouterConfig(max_candidates=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["route", "short", "full", "free", "remove", "add"]),
+                          st.integers(0, 39)), min_size=1, max_size=80))
+def test_round_robin_with_a_window_answers_as_a_full_scan(ops):
+    """Round-robin's window (the instances at and after its cursors) gives the full scan's answer whatever
+    instances are full, removed or added meanwhile, in P/D mode with short prompts going straight to D."""
+    instances = [Instance("p0", "http://127.0.0.1:40990", "prefill")] + [
+        Instance(f"d{i}", f"http://127.0.0.1:{41000 + i}", "decode") for i in range(40)]
+    for inst in instances:
+        inst.update({**REPORT, "kv_role": "producer" if inst.role == "prefill" else "consumer"}, time.monotonic())
+    windowed = Router(list(instances), "round-robin", RouterConfig(max_candidates=4, pd_min_prompt_tokens=16))
+    full = Router(list(instances), "round-robin", RouterConfig(max_candidates=0, pd_min_prompt_tokens=16))
+    added = 0
+    for op, i in ops:
+        inst = instances[1 + i]
+        if op in ("full", "free"):
+            inst.update({**REPORT, "kv_role": "consumer", "num_free_blocks": 0 if op == "full" else 1000},
+                        time.monotonic())
+        elif op == "remove" and len(windowed.instances) > 2 and inst.name in windowed.by_name:
+            windowed.remove(inst.name), full.remove(inst.name)
+        elif op == "add":
+            added += 1
+            new = Instance(f"n{added}", f"http://127.0.0.1:{43000 + added}", "decode")
+            new.update({**REPORT, "kv_role": "consumer"}, time.monotonic())
+            windowed.add(new), full.add(new)
+        else:
+            req = RouteRequest(8 if op == "short" else 64, 1)
+            a, b = windowed.route(req, now=time.monotonic()), full.route(req, now=time.monotonic())
+            assert (a and (a.reason, a.decode.name, a.prefill and a.prefill.name)) == \
+                (b and (b.reason, b.decode.name, b.prefill and b.prefill.name))
