@@ -132,17 +132,16 @@ def router_throughput(args: argparse.Namespace, work: Path, loop: str) -> dict:
             procs.stop(mock, timeout=10)
 
 
-def mock_app(report: str | None = None):
-    """An instance that answers at once: /v1/load as a colocated pdserve instance with nothing to do (report:
-    its JSON, else a fresh boot's), and one token for every completion (JSON or SSE)."""
+def mock_app():
+    """An instance that answers at once: /v1/load as a colocated pdserve instance with nothing to do (a boot of
+    its own), and one token for every completion (JSON or SSE)."""
     from aiohttp import web
 
     from pdserve import protocol
-    if report is None:
-        report = json.dumps({"boot_id": uuid.uuid4().hex, "kv_role": None, "healthy": True, "health": "ok",
-                             "block_size": 16, "hash_extra": "", "num_blocks": 100000, "num_free_blocks": 100000,
-                             "num_requests_running": 0, "num_requests_waiting": 0,
-                             "kv_events": {"last_seq": 0, "reset": False, "snapshot": None, "batches": []}})
+    report = json.dumps({"boot_id": uuid.uuid4().hex, "kv_role": None, "healthy": True, "health": "ok",
+                         "block_size": 16, "hash_extra": "", "num_blocks": 100000, "num_free_blocks": 100000,
+                         "num_requests_running": 0, "num_requests_waiting": 0,
+                         "kv_events": {"last_seq": 0, "reset": False, "snapshot": None, "batches": []}})
 
     async def load(request: web.Request) -> web.Response:
         return web.Response(text=report, content_type="application/json")

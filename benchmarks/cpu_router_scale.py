@@ -3,7 +3,7 @@
 N mock instances (one process serving N ports: each answers /v1/load as an idle colocated pdserve instance and
 one token for every completion, at once) behind one `pdserve proxy`, for N in --sizes:
   idle     the router's CPU (user + system, /proc) over --idle-seconds with no request: the cost of polling
-           N instances' /v1/load every --poll-interval
+           N instances' /v1/load (every --poll-interval, or less often past the router's poll budget)
   load     `pdserve bench serve` at rate inf with --concurrency requests in flight (--num-prompts of
            --input-len tokens, 1 token out): requests per second, TTFT p50, and the router's CPU per request
            (the polls' CPU over that time included)
@@ -103,12 +103,14 @@ def route_only(argv: list[str]) -> None:
     p.add_argument("--policies", default="round-robin,prefix-affinity,cost")
     p.add_argument("--max-candidates", type=int, default=None, help="default: the router's")
     p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--out", type=Path, default=None, help="also save the figures as JSON")
     p.add_argument("--shared-first-block", action="store_true",
                    help="every instance holds the prompts' first block (a chat template's), in the prefix index")
     args = p.parse_args(argv)
     report = {"boot_id": "b", "kv_role": None, "healthy": True, "health": "ok", "block_size": 16,
               "hash_extra": "", "num_blocks": 100000, "num_free_blocks": 100000, "num_requests_running": 0,
               "num_requests_waiting": 0, "kv_events": {"last_seq": 0, "reset": False, "snapshot": None, "batches": []}}
+    rows = []
     for size in (int(n) for n in args.sizes.split(",")):
         for policy in args.policies.split(","):
             instances = [Instance(f"i{i}", f"http://127.0.0.1:{30000 + i}", "colocated") for i in range(size)]
@@ -127,8 +129,13 @@ def route_only(argv: list[str]) -> None:
             start = time.perf_counter()
             for req in reqs:
                 router.route(req, now=time.monotonic())
-            print(f"{size:>5} instances, {policy:>15}: {1e6 * (time.perf_counter() - start) / len(reqs):7.0f} µs a route",
-                  flush=True)
+            us = 1e6 * (time.perf_counter() - start) / len(reqs)
+            rows.append({"instances": size, "policy": policy, "us_per_route": us})
+            print(f"{size:>5} instances, {policy:>15}: {us:7.0f} µs a route", flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "args": {k: str(v) for k, v in
+                                                                                   vars(args).items()},
+                                        "rows": rows}, indent=1))
 
 
 def main() -> int:

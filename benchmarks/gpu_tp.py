@@ -19,7 +19,10 @@ NVLink between two GPUs 397e9 B/s each way):
              all-reduces costs its launch and NCCL's round trip, which the bytes do not show
   prefill  = FLOPs (gpu_bench.py's count: 2 N T + 2 N_head + 4 L H d sum ctx) / (T x 800e12)
              + all-reduce bytes / link
-Prints a table and saves JSON.
+A row that fails (a batch whose KV does not fit this GPU, say) is recorded with its error and the others go
+on; the JSON is written after each size. The ceilings are an H200's: on another GPU (the device tool may lend
+H100s for a two-GPU kind) the ratios are against those, and the JSON names the GPU. Prints a table and saves
+JSON.
 """
 from __future__ import annotations
 
@@ -75,7 +78,6 @@ def measure(args: argparse.Namespace, tp: int) -> dict:
     """In this process: one instance of tp ranks, its decode steps and its prefill."""
     import random
     from pdserve.engine.llm import LLM
-    from pdserve.sampling_params import SamplingParams
     s = shape_of(args.model)
     elem = 2 if args.dtype == "bfloat16" else 4
     max_batch = max(args.batches)
@@ -85,33 +87,51 @@ def measure(args: argparse.Namespace, tp: int) -> dict:
               max_model_len=max(args.context, args.prefill_tokens) + args.steps + 64,
               kv_cache_memory=args.kv_cache_memory)
     engine, rng = llm.engine, random.Random(tp)
-    rows = []
     try:
-        for n in args.batches:
-            params = SamplingParams(max_tokens=args.steps + 32, temperature=0.0, ignore_eos=True)
-            ids = [f"decode{n}-{i}" for i in range(n)]
-            for rid in ids:
-                engine.add_request(rid, [rng.randrange(1, s["vocab"]) for _ in range(args.context - 8)], params)
-            requests = [engine.scheduler.requests[rid] for rid in ids]
-            while any(r.num_output_tokens < 2 for r in requests):   # every prompt done, everyone decoding
-                engine.step()
-            for _ in range(3):
-                engine.step()
-            contexts = [r.num_tokens + args.steps // 2 for r in requests]
-            sync(args.device)
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                engine.step()
-            sync(args.device)
-            step_s = (time.perf_counter() - start) / args.steps
-            assert all(not r.is_finished for r in requests)
-            bound = decode_roofline(s, tp, contexts, elem)
-            rows.append({"kind": "decode", "batch": n, "step_ms": step_s * 1e3,
-                         **{k.replace("_s", "_ms"): v * 1e3 for k, v in bound.items()},
-                         "over_roofline": step_s / bound["roofline_s"]})
-            engine.abort(ids)
-            while engine.has_work():
-                engine.step()
+        rows = [measure_decode(args, engine, s, tp, elem, rng, n) for n in args.batches]
+        rows.append(measure_prefill(args, engine, s, tp, elem, rng))
+    finally:
+        llm.shutdown()
+    return {"tp": tp, "device": device_name(args.device), "rows": rows}
+
+
+def measure_decode(args: argparse.Namespace, engine, s: dict, tp: int, elem: int, rng, n: int) -> dict:
+    """n requests all decoding: a step's wall time over --steps steps, or the error (a batch whose KV this
+    GPU cannot hold: some requests wait while others finish)."""
+    from pdserve.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=args.steps + 32, temperature=0.0, ignore_eos=True)
+    ids = [f"decode{n}-{i}" for i in range(n)]
+    try:
+        for rid in ids:
+            engine.add_request(rid, [rng.randrange(1, s["vocab"]) for _ in range(args.context - 8)], params)
+        requests = [engine.scheduler.requests[rid] for rid in ids]
+        while any(r.num_output_tokens < 2 for r in requests):   # every prompt done, everyone decoding
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        contexts = [r.num_tokens + args.steps // 2 for r in requests]
+        sync(args.device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        sync(args.device)
+        step_s = (time.perf_counter() - start) / args.steps
+        if any(r.is_finished for r in requests):
+            raise RuntimeError("some requests finished before the others were decoding (KV too small)")
+    except Exception as e:
+        return {"kind": "decode", "batch": n, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        engine.abort(ids)
+        while engine.has_work():
+            engine.step()
+    bound = decode_roofline(s, tp, contexts, elem)
+    return {"kind": "decode", "batch": n, "step_ms": step_s * 1e3,
+            **{k.replace("_s", "_ms"): v * 1e3 for k, v in bound.items()}, "over_roofline": step_s / bound["roofline_s"]}
+
+
+def measure_prefill(args: argparse.Namespace, engine, s: dict, tp: int, elem: int, rng) -> dict:
+    from pdserve.sampling_params import SamplingParams
+    try:
         prompt = [rng.randrange(1, s["vocab"]) for _ in range(args.prefill_tokens)]
         times = []
         for i in range(args.prefill_repeats + 1):   # the first one warms up
@@ -125,14 +145,20 @@ def measure(args: argparse.Namespace, tp: int) -> dict:
             sync(args.device)
             times.append(time.perf_counter() - start)
         prefill_s = sorted(times[1:])[len(times[1:]) // 2]
-        bound = prefill_roofline(s, tp, args.prefill_tokens, elem)
-        rows.append({"kind": "prefill", "tokens": args.prefill_tokens, "step_ms": prefill_s * 1e3,
-                     "tflops_per_gpu": bound["flops"] / prefill_s / tp / 1e12,
-                     **{k.replace("_s", "_ms"): v * 1e3 for k, v in bound.items() if k != "flops"},
-                     "over_roofline": prefill_s / bound["roofline_s"]})
-    finally:
-        llm.shutdown()
-    return {"tp": tp, "rows": rows}
+    except Exception as e:
+        return {"kind": "prefill", "tokens": args.prefill_tokens, "error": f"{type(e).__name__}: {e}"}
+    bound = prefill_roofline(s, tp, args.prefill_tokens, elem)
+    return {"kind": "prefill", "tokens": args.prefill_tokens, "step_ms": prefill_s * 1e3,
+            "tflops_per_gpu": bound["flops"] / prefill_s / tp / 1e12,
+            **{k.replace("_s", "_ms"): v * 1e3 for k, v in bound.items() if k != "flops"},
+            "over_roofline": prefill_s / bound["roofline_s"]}
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -166,16 +192,20 @@ def main() -> None:
         part = Path(args.out).with_suffix(f".tp{tp}.json")
         cmd = [sys.executable, __file__, *sys.argv[1:], "--one-tp", str(tp), "--out", str(part)]
         done = subprocess.run(cmd)
-        if done.returncode != 0:
+        if done.returncode != 0 or not part.exists():
             result["sizes"].append({"tp": tp, "error": f"exit {done.returncode}"})
-            continue
-        result["sizes"].append(json.loads(part.read_text()))
-        part.unlink()
+        else:
+            result["sizes"].append(json.loads(part.read_text()))
+            part.unlink()
+        Path(args.out).write_text(json.dumps(result, indent=1))   # (each size as it comes: a timeout keeps them)
     print(f"{'TP':>3} {'kind':>8} {'batch/tokens':>12} {'step ms':>9} {'roofline ms':>12} {'x':>6}")
     for size in result["sizes"]:
         for row in size.get("rows", []):
-            print(f"{size['tp']:>3} {row['kind']:>8} {row.get('batch', row.get('tokens')):>12} "
-                  f"{row['step_ms']:>9.3f} {row['roofline_ms']:>12.3f} {row['over_roofline']:>6.2f}")
+            where = f"{size['tp']:>3} {row['kind']:>8} {row.get('batch', row.get('tokens')):>12}"
+            if "error" in row:
+                print(f"{where} failed: {row['error']}")
+                continue
+            print(f"{where} {row['step_ms']:>9.3f} {row['roofline_ms']:>12.3f} {row['over_roofline']:>6.2f}")
         if "error" in size:
             print(f"{size['tp']:>3} failed: {size['error']}")
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -8,9 +8,9 @@
 #   handoff     issue 16: pull, push and the store between the two GPUs, 128-8,192 tokens one at a time (the
 #               targets: push TTFT <= pull at every length, >= 300 GB/s at 2,048 tokens), then under load
 #   tp-handoff  issue 17: P TP 1 -> D TP 2 and P TP 2 -> D TP 1 beside 1 -> 1, 2,048 tokens, pull and push
-#   compare     issue 14: 1P1D with the cost policy and conditional disaggregation against 2 colocated
-#               (prefill-heavy), the run docs/benchmarks.md says is owed
-set -u
+#   compare     issue 14: 1P1D with the cost policy and conditional disaggregation (prefill-heavy), the run
+#               docs/benchmarks.md says is owed; its colocated side is the 2026-11-29 run's (gpu-compare-*-s3)
+set -u -o pipefail   # (each step's status shows in its log's tail; the call itself always ends 0)
 : "${OUT:?set OUT to the output directory}"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$OUT"

@@ -59,7 +59,7 @@ from pdserve.kv_store.options import DEFAULT_INSERT_TTL_S, DEFAULT_LEASE_S
 from pdserve.stop_signals import stop_signals
 from pdserve.kv_transfer import side_channel
 from pdserve.kv_transfer.nixl import new_agent, ucx_tcp_segments
-from pdserve.kv_transfer.nixl_tp import regroup_run, runs_of
+from pdserve.kv_transfer.tp_layout import regroup_run, runs_of
 from pdserve.kv_transfer.store_shm import SharedPool
 
 
@@ -239,7 +239,7 @@ class KVStoreServer:
 
     def _regroup(self, message: dict[str, Any], insert_id: str, regroup: Any) -> tuple[dict[str, Any] | None, bool]:
         """The ranks of a tensor-parallel client over NIXL each wrote their heads of the insert's blocks whole,
-        in grouped_layout over runs of its slots (kv_transfer/nixl_tp.py): put the heads back in the
+        in grouped_layout over runs of its slots (kv_transfer/tp_layout.py): put the heads back in the
         whole-model layout before the commit makes them readable. The copy (the insert's bytes, once) runs
         outside the lock, which every client's message and the expiry need (a 2 GiB insert held it 0.4 s:
         hostile review): meanwhile the insert cannot expire, and a commit or abort of it is refused, so its

@@ -1,5 +1,6 @@
-"""The `nixl` pull handoff for tensor-parallel instances, of the same size or not; and RankFanOut and
-RankReader, the rank fan-out and the ranks' transports that the push handoff shares (nixl_tp_push.py).
+"""The `nixl` pull handoff for tensor-parallel instances, of the same size or not; and RankTransfers, RankFanOut
+and RankReader, the rank fan-out and the ranks' transports that the push handoff (nixl_tp_push.py) and, for
+its transfers, the store handoff (store_tp.py) share.
 
 Each rank's KV cache holds its own KV heads, in its own process (and GPU), so each rank registers it
 with an agent of its own and READs what it needs itself. The lifecycle (leases, claims, heartbeats, the
@@ -47,6 +48,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import (NixlConnectorWorker, ProgressWhileHolding, new_agent, post_transfer,
                                       transfer_state)
 from pdserve.kv_transfer.pull_worker_common import Load, Region, RemoteEngine
+from pdserve.kv_transfer.tp_layout import grouped_layout, regroup_run, runs_of
 from pdserve.kv_transfer.transport_worker import TransportWorker, coalesce, region_of, remote_tp_size
 from pdserve.parallel.group import RankCallError
 
@@ -312,39 +314,6 @@ class RankReader:
         self.kv_cache = None
 
 
-# A push from a bigger P is grouped by runs of D's blocks of at most this many: D's regroup copies a run through
-# a buffer of its size, which stays small (e.g. 32 MiB at Llama-3-8B's bf16 block of one rank of two); a longer
-# run of D's blocks costs one more descriptor per P rank per MAX_GROUP_BLOCKS.
-MAX_GROUP_BLOCKS = 32
-
-
-def runs_of(block_ids: list[int], max_len: int = MAX_GROUP_BLOCKS) -> list[tuple[int, int]]:
-    """(first block, count) of each run of consecutive ids, in order, cut at max_len blocks."""
-    return [(start + i, min(max_len, n - i)) for start, _, n in coalesce(block_ids, block_ids)
-            for i in range(0, n, max_len)]
-
-
-def grouped_layout(block_ids: list[int], k: int, part: int) -> list[int]:
-    """Where part `part` of k (a P rank, of the k that hold one D rank's heads) writes its blocks in D's
-    blocks, in units of 1/k of D's block: each run of n consecutive D blocks takes the k parts one after
-    the other, n of our blocks each, so that one descriptor per run moves a part (D regroups afterwards)."""
-    out = []
-    for start, n in runs_of(block_ids):
-        out += [start * k + part * n + i for i in range(n)]
-    return out
-
-
-def regroup_run(run: torch.Tensor, k: int, outer: int) -> None:
-    """run: n consecutive blocks as bytes [n, block bytes], written by k parts in grouped_layout (part j's n
-    blocks one after the other, each [outer, heads/k bytes]); in place, each block [outer, k, heads/k bytes]:
-    the whole-model layout. outer = layers * 2 * slots."""
-    n, block_bytes = run.shape
-    if block_bytes % (k * outer):
-        raise ValueError(f"a block of {block_bytes} bytes is not {k} parts of {outer} rows")
-    grouped = run.reshape(-1).view(k, n, outer, block_bytes // (k * outer)).clone()
-    run.copy_(grouped.permute(1, 2, 0, 3).reshape(n, block_bytes))
-
-
 def combine(states: list[str]) -> str:
     if "ERR" in states:
         return "ERR"
@@ -362,9 +331,10 @@ class _TPHandle:
 
 
 class RankTransfers:
-    """A transfer on every rank of a tensor-parallel instance, from rank 0's worker half: posting it, its
-    combined state, its release. self.local is rank 0's RankReader over the worker half's own agent (the
-    worker class provides agent, agent_name and config); self._rank_states the ranks' last poll."""
+    """A transfer on every rank of a tensor-parallel instance, from rank 0's worker half: posting it and its
+    release (each handoff judges its combined state: RankFanOut._check, store_tp._state). self.local is rank
+    0's RankReader over the worker half's own agent (the worker class provides agent, agent_name and config);
+    self._rank_states the ranks' last poll."""
 
     ranks: Ranks | None
     tp_size: int
@@ -410,14 +380,6 @@ class RankTransfers:
         handle.read_ids += [read_id for read_id, _, _ in posted]
         handle.num_descriptors += sum(n for _, _, n in posted)
         return handle, combine([state0, *(state for _, state, _ in posted)])
-
-    def _check(self, handle: _TPHandle) -> str:
-        if handle.erred:
-            return "ERR"
-        states = [self.local.state_of(handle.read_ids[0]) if handle.read_ids[0] is not None else "DONE"]
-        for rank_states, read_id in zip(self._rank_states, handle.read_ids[1:]):
-            states.append(rank_states.get(read_id, "PROC") if read_id is not None else "DONE")
-        return combine(states)
 
     def _release(self, handle: _TPHandle | None) -> None:
         """Raises while some rank's transfer is active and cannot be aborted (the caller then quarantines
@@ -468,6 +430,14 @@ class RankFanOut(RankTransfers):
     def _post_ranks(self, request_id: str, remote: RemoteEngine, local_block_ids: list[int],
                     remote_block_ids: list[int], op: str, notifs: list[str] | None = None) -> tuple[_TPHandle, str]:
         return self._post_on_ranks(request_id, remote.conn[1], local_block_ids, remote_block_ids, op, notifs)
+
+    def _check(self, handle: _TPHandle) -> str:
+        if handle.erred:
+            return "ERR"
+        states = [self.local.state_of(handle.read_ids[0]) if handle.read_ids[0] is not None else "DONE"]
+        for rank_states, read_id in zip(self._rank_states, handle.read_ids[1:]):
+            states.append(rank_states.get(read_id, "PROC") if read_id is not None else "DONE")
+        return combine(states)
 
     def _check_tp_pair(self, region: Region, reply: dict[str, Any], engine_id: str) -> None:
         """RuntimeError naming the peer when its blocks cannot pair with ours: of the same size, a block of

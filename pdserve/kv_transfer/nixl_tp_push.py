@@ -7,7 +7,7 @@ of the prompt's blocks into the D ranks that hold them (nixl_tp.RankReader, whic
                 per rank, as with one rank.
   P has more    k = Tp / Td P ranks hold one D rank's heads, each a contiguous k-th of every slot there, so
                 strided in D's blocks. Each of them writes its blocks whole into its k-th of each run of
-                D's blocks (nixl_tp.grouped_layout): one descriptor per run per P rank. Once every P rank's
+                D's blocks (tp_layout.grouped_layout): one descriptor per run per P rank. Once every P rank's
                 WRITE is in, each D rank puts the heads back in their places (RankReader.regroup, a copy of
                 the run through a buffer the size of the run) before D reports the load.
   D has more    a P rank's heads cover k = Td / Tp D ranks: it copies each one's heads of the blocks into a

@@ -172,8 +172,9 @@ class MappedPool:
                 raise ValueError(f"a slot of {block_bytes} bytes does not hold {count} parts of {rank_bytes} bytes")
             self._blocks = kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], outer, rank_bytes // outer)
             self._slots = self._slots.view(num_slots, outer, count, rank_bytes // outer)[:, :, index]
-        if kv_cache.is_cuda:
-            # Pinned for the GPU, DMA runs at the link's speed; pageable copies are staged by the driver.
+        if kv_cache.is_cuda and count == 1:
+            # Pinned for the GPU, DMA runs at the link's speed; pageable copies are staged by the driver. (A
+            # rank's part is strided: its copies go through a pageable temporary, which a pin would not help.)
             # (On this thread too the cache's device, not a context on GPU 0.)
             with torch.cuda.device(kv_cache.device):
                 err = torch.cuda.cudart().cudaHostRegister(self._pinned.data_ptr(), self._pinned.numel(), 1)
@@ -208,9 +209,7 @@ class MappedPool:
         return CopyHandle(event)
 
     def _copy_runs(self, op: str, runs: list[tuple[int, int, int]]) -> None:
-        # A strided side (a rank's part) goes through a contiguous temporary that torch copies on at once, so
-        # such copies must not be asynchronous.
-        non_blocking = self._stream is not None and self._slots.is_contiguous()
+        non_blocking = self._stream is not None   # (only a whole slot's copy: a rank's part has no stream)
         for local, slot, n in runs:
             blocks, slots = self._blocks[local:local + n], self._slots[slot:slot + n]
             if op == "READ":

@@ -115,7 +115,7 @@ class TPStoreConnectorWorker(RankTransfers, StoreConnectorWorker):
                 handle.release()   # (waits out rank 0's copy: its blocks may go back to the pool)
                 raise
             return handle, len(runs) * self.tp_size
-        handle, _ = self._post_on_ranks(f"store {op}", self._key, local_block_ids, slots, op)
+        handle, _ = self._post_on_ranks(f"(a store {op})", self._key, local_block_ids, slots, op)
         return handle, handle.num_descriptors   # (a part that failed to post: ERR at the next check)
 
     def _write_regroup(self) -> dict[str, int] | None:

@@ -279,10 +279,11 @@ class StoreConnectorWorker(KVConnectorWorker):
         state = self._state(load.handle)
         if state == "PROC" and now < load.spec.read_deadline:
             return
-        # Blocks go back only once nothing can write into them: a transfer NIXL cannot let go yet (one past
-        # its deadline, or a part of a tensor-parallel one) keeps them, and is asked again next step.
-        if not self._released(load.handle):
-            self.num_quarantined += state not in ("DONE", "ERR")
+        # Blocks go back only once nothing can write into them: a transfer still moving that NIXL cannot let go
+        # yet (past its deadline) keeps them, and is asked again next step. A DONE or ERR one moves no more
+        # (a tensor-parallel one only once every part has ended: store_tp._state), whatever its release says.
+        if not self._released(load.handle) and state not in ("DONE", "ERR"):
+            self.num_quarantined += 1
             return
         del self._loads[request_id]
         spec = load.spec
@@ -323,8 +324,8 @@ class StoreConnectorWorker(KVConnectorWorker):
         state = self._state(insert.handle)
         if state == "PROC" and now < insert.deadline:
             return
-        if not self._released(insert.handle):   # P's blocks stay: the WRITE may still read them
-            self.num_quarantined += state not in ("DONE", "ERR")
+        if not self._released(insert.handle) and state not in ("DONE", "ERR"):
+            self.num_quarantined += 1   # P's blocks stay: the WRITE may still read them
             return
         if state == "DONE":
             self.num_bytes += insert.num_bytes

@@ -13,7 +13,7 @@ once that one ended):
 A request that could not connect to an instance also counts as a failure (`Monitor.connect_failed`), so a
 dead instance is ejected by the requests that meet it as much as by the poll.
 
-At hundreds of instances the polls would be the router's main work (500 instances every 0.1 s took 76 % of its
+At hundreds of instances the polls would be the router's main work (500 instances every 0.1 s took 75 % of its
 core on CPU, benchmarks/cpu_router_scale.py), so the polls per second are capped (max_polls_per_s): past
 interval x max_polls_per_s instances a round lasts N / max_polls_per_s seconds, and its polls go out spread over
 it in slices of at most one interval's worth, not in one burst. Between two reports of an instance the router

@@ -39,7 +39,7 @@ DEFAULT_AFFINITY_MIN_CACHED = 0.5  # prefix-affinity: a cached prefix under this
 DEFAULT_DIRECT_PREFILL_HEADROOM_S = 1.0
 DEFAULT_COST_TOLERANCE = 0.2       # cost: estimates within this fraction of the best are a tie (round-robin)
 # Past this many instances of a pool, a request under a load-aware policy looks at a sample of them
-# (Router._sample): at 500 instances a full scan cost 1.5 ms a request under cost, in Python (found on CPU,
+# (Router._sample): at 500 instances a full scan cost 1.6 ms a request under cost, in Python (found on CPU,
 # benchmarks/cpu_router_scale.py route), where a sample of 32 keeps the choice close to the full one's (the
 # power of d choices) and the cost flat.
 DEFAULT_MAX_CANDIDATES = 32
@@ -359,7 +359,10 @@ class Router:
         """Where the request goes; None when no instance can take it. exclude: names that failed it."""
         matched = self._matched(req, now)
         prefills = self._candidates(("prefill",), req, exclude, now, matched, (PREFILL,))
-        directs = self._candidates(("decode", "colocated"), req, exclude, now, matched, (DECODE, DIRECT))
+        # Decode and colocated instances apart: a sample of the two together could hold no D while Ds are free
+        # (the request then served colocated: review).
+        directs = (self._candidates(("decode",), req, exclude, now, matched, (DECODE, DIRECT))
+                   + self._candidates(("colocated",), req, exclude, now, matched, (DIRECT,)))
         if not directs:
             self.num_no_candidate += 1
             return None
@@ -465,17 +468,28 @@ class Router:
         elif self.policy.samples:
             sample = self._sample(pool, roles, matched)
         else:
-            sample = self._window_after(pool, stages, k)
+            sample = self._window_after(pool, stages, k, req, matched)
         admitted = [inst for inst in sample if self._admits(inst, req, exclude, now)]
         if not admitted and len(sample) < len(pool):
             admitted = [inst for inst in pool if self._admits(inst, req, exclude, now)]
         return admitted
 
-    def _window_after(self, pool: list[Instance], stages: tuple[str, ...], k: int) -> list[Instance]:
+    def _window_after(self, pool: list[Instance], stages: tuple[str, ...], k: int, req: RouteRequest,
+                      matched: dict[str, int] | None) -> list[Instance]:
         """Round-robin's sample: the k instances of the pool at and after each stage's cursor, in the router's
-        order (wrapping). Its answer is then a full scan's: the first admitted instance at or after the cursor
-        lies in the window unless none there is admitted, and then the whole pool is scanned."""
+        order (wrapping), and every instance holding all but fewer than pd_min_prompt_tokens of the prompt
+        (the decider sends the request to one of those: decode_has_prefix). Its answer is then a full
+        scan's: the first admitted instance at or after the cursor lies in the window unless none there is
+        admitted, and then the whole pool is scanned."""
         picked: dict[str, Instance] = {}
+        threshold = self.config.pd_min_prompt_tokens
+        if matched and threshold:
+            roles = {inst.role for inst in pool}
+            for name, num_blocks in matched.items():
+                inst = self.by_name.get(name)
+                if inst is not None and inst.role in roles and \
+                        req.num_prompt_tokens - min(req.num_prompt_tokens, num_blocks * inst.block_size) < threshold:
+                    picked[name] = inst
         for stage in stages:
             cursor = self.policy.cursor(stage)
             start = next((i for i, inst in enumerate(pool) if self.position[inst.name] >= cursor), 0)

@@ -723,7 +723,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-polls-per-second", type=float, default=DEFAULT_MAX_POLLS_PER_S,
                    help="load reports the router asks for per second, all instances together: past it each "
                         "instance is polled less often, the polls spread over the round (at 500 instances every "
-                        f"0.1 s took 76 %% of the router's core on CPU; default {DEFAULT_MAX_POLLS_PER_S:g})")
+                        f"0.1 s took 75 %% of the router's core on CPU; default {DEFAULT_MAX_POLLS_PER_S:g})")
     g.add_argument("--eject-after", type=int, default=DEFAULT_EJECT_AFTER,
                    help="failed checks in a row (polls, refused connections) that take an instance out of routing; "
                         f"it comes back on its first good poll (default {DEFAULT_EJECT_AFTER})")

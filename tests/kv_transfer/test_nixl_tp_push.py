@@ -235,21 +235,21 @@ def test_every_head_lands_in_its_place_between_these_sizes(make_tp, p_size, d_si
 def test_grouped_layout_and_regroup_undo_each_other_over_runs_and_cuts():
     """Three P ranks' parts written where grouped_layout puts them, then D's regroup: every head in its place,
     over short runs and one longer than MAX_GROUP_BLOCKS (cut, so that D's buffer stays bounded)."""
-    from pdserve.kv_transfer import nixl_tp
-    k, heads, num_blocks = 3, 6, 2 * nixl_tp.MAX_GROUP_BLOCKS + 20
+    from pdserve.kv_transfer import nixl_tp, tp_layout
+    k, heads, num_blocks = 3, 6, 2 * tp_layout.MAX_GROUP_BLOCKS + 20
     cache = torch.zeros((num_blocks, 2, 2, 4, heads, 8))
     want = torch.randn(cache.shape)
-    block_ids = [3, 4, 5, 9] + list(range(12, 12 + nixl_tp.MAX_GROUP_BLOCKS + 5))
+    block_ids = [3, 4, 5, 9] + list(range(12, 12 + tp_layout.MAX_GROUP_BLOCKS + 5))
     fine = cache.view(-1).view(num_blocks * k, 2, 2, 4, heads // k, 8)   # D's cache in blocks of P's size
     for part in range(k):
-        fine[nixl_tp.grouped_layout(block_ids, k, part)] = want[block_ids][..., part * 2:(part + 1) * 2, :]
+        fine[tp_layout.grouped_layout(block_ids, k, part)] = want[block_ids][..., part * 2:(part + 1) * 2, :]
     reader = nixl_tp.RankReader.__new__(nixl_tp.RankReader)
     reader.kv_cache = cache
     reader.regroup(block_ids, k)
     assert torch.equal(cache[block_ids], want[block_ids])
     assert torch.count_nonzero(cache[[b for b in range(num_blocks) if b not in block_ids]]) == 0
-    assert nixl_tp.runs_of([1, 2, 3, 4, 5, 9], max_len=2) == [(1, 2), (3, 2), (5, 1), (9, 1)]
-    assert len(nixl_tp.runs_of(block_ids)) == 4   # (3..5), (9), and the long run cut in two
+    assert tp_layout.runs_of([1, 2, 3, 4, 5, 9], max_len=2) == [(1, 2), (3, 2), (5, 1), (9, 1)]
+    assert len(tp_layout.runs_of(block_ids)) == 4   # (3..5), (9), and the long run cut in two
 
 
 def test_a_notification_whose_sizes_cannot_pair_does_not_end_the_receive(make_tp):
