@@ -245,3 +245,47 @@ def test_the_store_regroups_outside_its_lock_and_the_insert_stays_its_own_meanwh
     go.set()
     thread.join(10)
     assert server.index.num_stored == 2 and not server._committing
+
+
+@pytest.mark.parametrize("store", [True], indirect=True, ids=["shared-memory"])
+def test_a_rank_that_cannot_map_the_pool_leaves_every_rank_on_nixl(store, tp_instance, monkeypatch):
+    """All or none: rank 0 mapped the pool, rank 1 could not (its call failed), so rank 0 lets its mapping go
+    and the whole instance moves KV over NIXL, and still loads what another instance stored."""
+    from pdserve.kv_transfer import store_tp
+    server = store()
+    p = tp_instance(server, 1, "producer")
+    real_init = store_tp.TPStoreConnectorWorker.__init__
+
+    def failing_attach(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.ranks.fail_op = "kv_store_attach"
+    monkeypatch.setattr(store_tp.TPStoreConnectorWorker, "__init__", failing_attach)
+    d = tp_instance(server, 2, "consumer")
+    assert d.worker._mapped is None and d.worker._key is not None and not d.worker._ranks_mapped
+    assert all(calls.transport.store_pool is None for calls in d.ranks.calls)
+    d.ranks.fail_op = None
+    prompt = list(range(2 * BLOCK_SIZE))
+    stored_prompt_for(server, p, prompt, [1, 2])
+    start_load(d, prompt, [4, 5])
+    step_until([d.worker], lambda s, r: "d" in r)
+    assert d.worker.get_block_ids_with_load_errors() == set()
+    assert torch.equal(d.whole()[[4, 5]], p.whole()[[1, 2]])
+    assert_idle(server, p.worker, d.worker)
+
+
+def test_a_regroup_that_fails_gives_the_insert_back_to_its_deadline(store, tp_instance, monkeypatch):
+    """The way out of the regroup: the insert is neither committed nor held for good (it expires at its
+    deadline as any), and a later commit of it is not refused as 'being committed'."""
+    from pdserve.kv_store import server as server_module
+    server = store(capacity=16 * LAYERS * 2 * BLOCK_SIZE * HEADS * DIM * 4)
+    tp_instance(server, 2)
+    with server._lock:
+        server.index.begin_insert("i", [11, 12], 60.0)
+    deadline = server.index.inserts["i"].deadline
+    monkeypatch.setattr(server_module, "regroup_run", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    commit = {"type": "commit", "boot_id": server.boot_id, "insert_id": "i", "regroup": {"parts": 2, "outer": 16}}
+    with pytest.raises(RuntimeError):
+        server._on_end_insert(commit, b"")
+    assert server.index.inserts["i"].deadline == deadline and not server._committing and server.index.num_stored == 0
+    monkeypatch.undo()
+    assert server._on_end_insert(commit, b"")[0] == {"ok": True, "num_blocks": 2}
