@@ -39,7 +39,7 @@ from typing import Any
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import NixlPushConnectorWorker
 from pdserve.kv_transfer.nixl_tp import RankFanOut, Ranks
-from pdserve.kv_transfer.push_lifecycle import read_notif, write_notif
+from pdserve.kv_transfer.push_lifecycle import WriteNotif, read_notif, write_notif
 from pdserve.kv_transfer.transport_worker import Region, RemoteEngine
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class _Arrivals:
     first_at: float
     expected: int                    # max(Tp, Td): one per (D rank, P rank writing into it)
     p_tp_size: int
-    message: str
+    notif: WriteNotif
     pairs: set[tuple[int, int]] = field(default_factory=set)   # (D rank, P rank)
 
 
@@ -98,7 +98,7 @@ class TPNixlPushConnectorWorker(RankFanOut, NixlPushConnectorWorker):
             self._rank_states = []
         return super().get_finished()
 
-    def _take_notifs(self) -> list[str]:
+    def _take_notifs(self) -> list[WriteNotif]:
         now = time.monotonic()
         done = []
         arrived = [(0, super()._take_notifs()), *enumerate(self._rank_notifs, start=1)]
@@ -107,19 +107,19 @@ class TPNixlPushConnectorWorker(RankFanOut, NixlPushConnectorWorker):
             for message in messages:
                 notif = read_notif(message)
                 if notif is None:
-                    done.append(message)   # (the Receiver logs it and lets it go)
+                    logger.warning("push: a WRITE notification that is not a transfer's: %.80r", message)
                     continue
                 if not self._pairs_with(notif.tp_size):   # never a sign that every rank's data is in
                     logger.warning("push of %s: a notification from a P of %d ranks, which cannot write into "
                                    "%d; ignored", notif.transfer_id, notif.tp_size, self.tp_size)
                     continue
                 entry = self._notified.setdefault(notif.transfer_id, _Arrivals(
-                    now, max(notif.tp_size, self.tp_size), notif.tp_size, message))
+                    now, max(notif.tp_size, self.tp_size), notif.tp_size, notif))
                 entry.pairs.add((d_rank, notif.rank))
                 if len(entry.pairs) >= entry.expected:
                     del self._notified[notif.transfer_id]
                     if self._regroup(notif.transfer_id, entry.p_tp_size):
-                        done.append(entry.message)
+                        done.append(entry.notif)
         if self._notified:   # kept as long as D may still wait for the push (Receiver's wait and lease)
             ttl = max(NOTIF_TTL_S, self.receiver.wait_timeout + self.receiver.lease_s)
             self._notified = {t: e for t, e in self._notified.items() if now - e.first_at < ttl}

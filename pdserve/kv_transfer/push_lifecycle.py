@@ -695,17 +695,14 @@ class Receiver:
                 self._releasing(recv, "the prefill instance failed before computing the prompt")
 
     # ---- each step ----
-    def step(self, notified: list[str]) -> set[str]:
-        """notified: write_notif messages of WRITEs done. Returns finished_recving; P's tokens (for those,
-        and for requests still waiting whose token P sent ahead) are in first_tokens until the next step."""
+    def step(self, notified: list[WriteNotif]) -> set[str]:
+        """notified: the notifications of WRITEs done (read_notif's, by the worker half, which drops what is
+        not one). Returns finished_recving; P's tokens (for those, and for requests still waiting whose token
+        P sent ahead) are in first_tokens until the next step."""
         self.first_tokens = {}
         while not self._events.empty():
             self._apply_event(self._events.get_nowait())
-        for message in notified:  # the WRITE is done: its data is in the blocks
-            parsed = read_notif(message)
-            if parsed is None:
-                logger.warning("push: a WRITE notification that is not a transfer's: %.80r", message)
-                continue
+        for parsed in notified:  # the WRITE is done: its data is in the blocks
             transfer_id, first_token_ids = parsed.transfer_id, parsed.first_token_ids
             recv = self._by_transfer.get(transfer_id)
             if recv is not None and recv.is_reported:

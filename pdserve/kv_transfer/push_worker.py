@@ -51,7 +51,9 @@ class PushConnectorWorker(TransportWorker):
     def _release(self, handle: Any) -> None:
         pass
 
-    def _take_notifs(self) -> list[str]:
+    def _take_notifs(self) -> list:
+        """D: the raw notifications of WRITEs into this instance's agent (nixl.py; parsed and counted over the
+        ranks by nixl_tp_push.py, which hands the Receiver read_notif's)."""
         return []
 
     # ---- the contract ----

@@ -358,11 +358,11 @@ class Router:
     def route(self, req: RouteRequest, exclude: Collection[str] = (), now: float = 0.0) -> Route | None:
         """Where the request goes; None when no instance can take it. exclude: names that failed it."""
         matched = self._matched(req, now)
-        prefills = self._candidates(("prefill",), req, exclude, now, matched, (PREFILL,))
+        prefills, prefills_sampled = self._candidates(("prefill",), req, exclude, now, matched, (PREFILL,))
         # Decode and colocated instances apart: a sample of the two together could hold no D while Ds are free
         # (the request then served colocated: review).
-        directs = (self._candidates(("decode",), req, exclude, now, matched, (DECODE, DIRECT))
-                   + self._candidates(("colocated",), req, exclude, now, matched, (DIRECT,)))
+        directs = (self._candidates(("decode",), req, exclude, now, matched, (DECODE, DIRECT))[0]
+                   + self._candidates(("colocated",), req, exclude, now, matched, (DIRECT,))[0])
         if not directs:
             self.num_no_candidate += 1
             return None
@@ -380,9 +380,9 @@ class Router:
             return self._saturated(directs, choice, exclude)
         if not decodes:   # no D can take a P's KV now, but colocated instances can serve on their own
             return self._direct(directs, choice, "colocated")
-        if self._backlogged(prefills) and len(prefills) < self._pool_size(("prefill",)):
+        if prefills_sampled and self._backlogged(prefills):
             # Every sampled P backlogged is not every P: a D must not prefill while one outside is idle (review).
-            prefills = self._candidates(("prefill",), req, exclude, now, None, (PREFILL,), whole=True)
+            prefills, _ = self._candidates(("prefill",), req, exclude, now, None, (PREFILL,), whole=True)
             choice = self._choice(req, prefills + directs, now, matched)
         if self._backlogged(prefills):
             candidates = self._with_headroom(directs, choice)
@@ -453,14 +453,12 @@ class Router:
             return None
         return self.index.match(req.block_hashes, None, now)
 
-    def _pool_size(self, roles: tuple[str, ...]) -> int:
-        return sum(inst.role in roles for inst in self.instances)
-
     def _candidates(self, roles: tuple[str, ...], req: RouteRequest, exclude: Collection[str], now: float,
-                    matched: dict[str, int] | None, stages: tuple[str, ...], whole: bool = False) -> list[Instance]:
-        """The instances of these roles that may take the request (_admits): all of them, or past
-        max_candidates (unless whole) a sample, and all of them again when no sampled one may. stages: those
-        that choose among them (round-robin's sample starts at their cursors)."""
+                    matched: dict[str, int] | None, stages: tuple[str, ...],
+                    whole: bool = False) -> tuple[list[Instance], bool]:
+        """(The instances of these roles that may take the request (_admits), whether they are a sample's): all
+        of them, or past max_candidates (unless whole) a sample, and all of them again when no sampled one
+        may. stages: those that choose among them (round-robin's sample starts at their cursors)."""
         pool = [inst for inst in self.instances if inst.role in roles]
         k = self.config.max_candidates
         if whole or not k or len(pool) <= k:
@@ -470,9 +468,11 @@ class Router:
         else:
             sample = self._window_after(pool, stages, k, req, matched)
         admitted = [inst for inst in sample if self._admits(inst, req, exclude, now)]
-        if not admitted and len(sample) < len(pool):
-            admitted = [inst for inst in pool if self._admits(inst, req, exclude, now)]
-        return admitted
+        if len(sample) == len(pool):
+            return admitted, False
+        if not admitted:
+            return [inst for inst in pool if self._admits(inst, req, exclude, now)], False
+        return admitted, True
 
     def _window_after(self, pool: list[Instance], stages: tuple[str, ...], k: int, req: RouteRequest,
                       matched: dict[str, int] | None) -> list[Instance]:

@@ -603,8 +603,6 @@ def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
             raise ValueError(f"{name}: must be >= {low}, got {value}")
     if not poll_interval > 0:
         raise ValueError(f"poll_interval: must be > 0 seconds, got {poll_interval}")
-    if not 0 < max_polls_per_s < math.inf:
-        raise ValueError(f"max_polls_per_s: must be a positive number, got {max_polls_per_s}")
     instances = build_instances(prefill_urls, decode_urls, colocated_urls or ())
     router = Router(instances, policy, router_config or RouterConfig(), dynamic=dynamic)
     headers = {ROUTER_KEY_HEADER: router_key} if router_key is not None else {}

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.push import PushConnectorMeta, PushRecvSpec, PushSendSpec
-from pdserve.kv_transfer.push_lifecycle import read_notif, write_notif
+from pdserve.kv_transfer.push_lifecycle import write_notif
 from pdserve.parallel.group import RankCallError
 from tests.kv_transfer.helpers import COMPAT, nixl_available, poll
 
@@ -113,7 +113,7 @@ def test_d_waits_for_every_ranks_notification(make_tp, monkeypatch):
     assert d._take_notifs() == []                       # rank 1's only, so far
     d._rank_notifs = [[n("t1", 1)]]
     assert d._take_notifs() == []                       # a repeat from the same rank counts once
-    assert [read_notif(m).transfer_id for m in d._take_notifs()] == ["t1"]   # rank 0's: every rank's is in
+    assert [notif.transfer_id for notif in d._take_notifs()] == ["t1"]   # rank 0's: every rank's is in
     assert set(d._notified) == {"t2"}
     d._notified["t2"].first_at -= nixl_tp_push.NOTIF_TTL_S + 1   # one whose other notification never comes ...
     assert d._take_notifs() == [] and d._notified == {}   # ... is dropped after NOTIF_TTL_S

@@ -160,12 +160,20 @@ def test_a_notification_that_is_not_a_transfers_is_ignored(make_worker):
     receive waiting for t1 waiting: only a well-formed notification says its data is in."""
     p, d = make_worker("producer"), make_worker("consumer", torch.zeros(KV_SHAPE))
     d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=[4, 5])]))
+    get_new_notifs = d.agent.get_new_notifs
+
+    def arriving(message):   # a notification from P's agent, as D's agent hands it over (and progress)
+        d.agent.get_new_notifs = lambda: {**get_new_notifs(), "p": [message.encode()]}
+
     for message in ["t1", "", "[1, 2]", '["t1", [-1], 0, 1]', '["t1", [1, 2], 0, 1]', '["t1", [true], 0, 1]',
                     '["t1", [], 1, 1]', '["t1", [], 0, 0]', "{", '["t1"]', '["t1", []]']:
-        assert d.receiver.step([message]) == set() and d.get_first_token_ids() == {}, message
+        arriving(message)
+        assert d.get_finished()[1] == set() and d.get_first_token_ids() == {}, message
         assert "d-req" in d.receiver.recvs
-    assert d.receiver.step([write_notif("t1", (3,))]) == {"d-req"}   # (the well-formed one, for contrast)
+    arriving(write_notif("t1", (3,)))   # (the well-formed one, for contrast)
+    assert d.get_finished()[1] == {"d-req"}
     assert d.get_first_token_ids() == {"d-req": [3]}
+    d.agent.get_new_notifs = get_new_notifs
 
 
 def test_write_after_prefill_when_the_announce_comes_second(make_worker):
