@@ -110,6 +110,8 @@ class KVTransferConfig:
     side_channel_port: int = 0            # 0: pick a free port
     enable_prog_thread: bool = False      # NIXL progress thread busy-polls a core; off by default on CPU
     kv_store: str | None = None           # "HOST:PORT" of `pdserve kv-store` (kv_connector "store")
+    # Per rank: the buffer that transfers regrouping KV heads (peers of another TP size) move through.
+    staging_bytes: int = 512 << 20
     # The router key, when the instance has one: signs every side-channel message (never from JSON or argv).
     auth_key: str | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -134,6 +136,9 @@ class KVTransferConfig:
             if not self.kv_store:
                 raise ValueError("kv_store: kv_connector store needs the store's HOST:PORT (--kv-store)")
             parse_host_port(self.kv_store, "kv_store")
+        if isinstance(self.staging_bytes, bool) or not isinstance(self.staging_bytes, int) \
+                or self.staging_bytes < 256:
+            raise ValueError(f"staging_bytes: must be an integer of at least 256, got {self.staging_bytes!r}")
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port: must be in [0, 65535], got {self.side_channel_port}")
 

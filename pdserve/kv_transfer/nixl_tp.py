@@ -48,6 +48,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import (NixlConnectorWorker, ProgressWhileHolding, new_agent, post_transfer,
                                       transfer_state)
 from pdserve.kv_transfer.pull_worker_common import Load, Region, RemoteEngine
+from pdserve.kv_transfer.staging import StagingPool
 from pdserve.kv_transfer.tp_layout import grouped_layout, regroup_run, runs_of
 from pdserve.kv_transfer.transport_worker import TransportWorker, coalesce, region_of, remote_tp_size
 from pdserve.parallel.group import RankCallError
@@ -87,22 +88,40 @@ def read_plan(local_tp: int, rank: int, remote_tp: int, num_kv_heads: int) -> li
 
 
 @dataclass
+class _Rounds:
+    """A staged transfer's progress through the rank's staging pool (staging.py): blocks done .. done + n move
+    through the range at start, then the next round takes a range."""
+    op: str
+    notif: str                   # a WRITE's: sent with its last round only (D counts it as the whole)
+    agents: dict[int, tuple[str, Region]]
+    remote_heads: int
+    remote_block_ids: list[int]
+    unit_bytes: int              # staging bytes of one block (every piece's)
+    done: int = 0
+    start: int | None = None     # the range held now
+    n: int = 0
+    failed: bool = False         # a round failed to post: the transfer is ERR
+
+
+@dataclass(eq=False)   # (one transfer is one _Read: the staging pool's line compares by identity)
 class _Read:
-    """One rank's part of one load: its transfers, and the staging buffer when heads are regrouped."""
+    """One rank's part of one load: its transfers (the current round's, when staged), and its rounds when heads
+    are regrouped through the staging pool."""
     xfers: list[Any]
     plan: list[ReadPiece]
     local_block_ids: list[int]
-    staging: torch.Tensor | None = None
-    staging_reg: Any = None
-    is_copied: bool = False
+    rounds: _Rounds | None = None
 
 
 class RankReader:
     """One rank's transport: its agent and cache, the remote ranks it reads, its reads in flight.
     Ranks 1..T-1 run one in their processes; rank 0 runs one over the worker half's own agent."""
 
-    def __init__(self, agent: Any, agent_name: str, rank: int, tp_size: int, num_kv_heads: int) -> None:
+    def __init__(self, agent: Any, agent_name: str, rank: int, tp_size: int, num_kv_heads: int,
+                 staging_bytes: int = KVTransferConfig.staging_bytes) -> None:
         self.agent, self.agent_name = agent, agent_name
+        self.staging_bytes = staging_bytes
+        self.staging: StagingPool | None = None   # made at the first staged transfer
         self.rank, self.tp_size, self.num_kv_heads = rank, tp_size, num_kv_heads
         self.kv_cache: torch.Tensor | None = None
         self.region: Region | None = None
@@ -116,10 +135,11 @@ class RankReader:
 
     @classmethod
     def create(cls, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int,
-               num_kv_heads: int, progress_while_holding: bool = False) -> RankReader:
+               num_kv_heads: int, progress_while_holding: bool = False,
+               staging_bytes: int = KVTransferConfig.staging_bytes) -> RankReader:
         agent = new_agent(agent_name, enable_prog_thread, "a tensor-parallel rank's KV transfers",
                           thread_safe=progress_while_holding)
-        reader = cls(agent, agent_name, rank, tp_size, num_kv_heads)
+        reader = cls(agent, agent_name, rank, tp_size, num_kv_heads, staging_bytes)
         if progress_while_holding:
             reader._progress = ProgressWhileHolding(agent, agent_name, lambda: reader.holding)
         return reader
@@ -167,11 +187,10 @@ class RankReader:
                 runs = coalesce(local_block_ids, remote_block_ids)
                 read.xfers.append(post_transfer(self.agent, op, self.region, region, name, runs, notif.encode())[0])
                 num_descriptors = len(runs)
-            elif op == "WRITE":
-                read.is_copied = True   # (nothing to copy in here afterwards)
+            elif op == "WRITE" and remote_tp < self.tp_size:
                 num_descriptors = self._post_write_between_sizes(read, agents, remote_tp, remote_block_ids, notif)
             else:
-                num_descriptors = self._post_staged(read, agents, remote_tp, remote_block_ids)
+                num_descriptors = self._start_rounds(read, agents, remote_tp, remote_block_ids, op, notif)
         except Exception:
             self._let_go(read)
             raise
@@ -179,32 +198,111 @@ class RankReader:
         self._reads[read_id] = read
         return read_id, self._state(read), num_descriptors
 
-    def _post_staged(self, read: _Read, agents: dict, remote_tp: int, remote_block_ids: list[int], op: str = "READ",
-                     notif: str = "") -> int:
-        """Through a staging buffer registered for the transfer, in the remote ranks' block layout: a READ lands
-        there and is copied into the cache once done (_state); a WRITE (push to a D of more ranks, whose
-        heads are a part of ours) sends each remote rank its heads of the blocks, copied there first."""
-        n = len(remote_block_ids)
+    def _start_rounds(self, read: _Read, agents: dict, remote_tp: int, remote_block_ids: list[int], op: str,
+                      notif: str) -> int:
+        """Through the staging pool, in the remote ranks' block layout: a READ lands there and each round is
+        copied into the cache once its READs are done; a WRITE (push to a D of more ranks, whose heads are a
+        part of ours) sends each remote rank its heads of the blocks, copied there first. The first round
+        is posted here when the pool has room. The descriptors are those of one round (a transfer split
+        into rounds posts at most one more per piece and round)."""
         layers, _, slots, _, dim = self.kv_cache.shape[1:]
         remote_heads = self.num_kv_heads // remote_tp
-        # [pieces * n, layers, 2, slots, remote heads, dim]: piece j's blocks at j * n ..
-        read.staging = torch.empty((len(read.plan) * n, layers, 2, slots, remote_heads, dim),
-                                   dtype=self.kv_cache.dtype, device=self.kv_cache.device)
-        if op == "WRITE":
-            index = torch.tensor(read.local_block_ids, device=self.kv_cache.device)
+        unit = len(read.plan) * layers * 2 * slots * remote_heads * dim * self.kv_cache.element_size()
+        pool = self._staging_pool()
+        if not pool.fits(unit):
+            raise ValueError(f"staging_bytes ({pool.num_bytes}) cannot hold one block's staging ({unit} bytes) "
+                             f"for a peer of {remote_tp} ranks (here {self.tp_size}): raise staging_bytes in "
+                             "--kv-transfer-config")
+        read.rounds = _Rounds(op, notif, agents, remote_heads, list(remote_block_ids), unit)
+        n = len(remote_block_ids)
+        return len(read.plan) * len(coalesce(list(range(n)), remote_block_ids))
+
+    def _staging_pool(self) -> StagingPool:
+        if self.staging is None:
+            try:
+                self.staging = StagingPool(self.agent, self.staging_bytes, self.kv_cache.device)
+            except torch.OutOfMemoryError:
+                raise RuntimeError(f"no memory for the {self.staging_bytes}-byte staging buffer that transfers "
+                                   "between tensor-parallel sizes need: lower staging_bytes in "
+                                   "--kv-transfer-config or the KV cache's share of memory") from None
+        return self.staging
+
+    def _staging_view(self, read: _Read) -> torch.Tensor:
+        """[pieces * n, layers, 2, slots, remote heads, dim] of this round: piece j's blocks at j * n .."""
+        r = read.rounds
+        layers, _, slots, _, dim = self.kv_cache.shape[1:]
+        return self.staging.view(r.start, (len(read.plan) * r.n, layers, 2, slots, r.remote_heads, dim),
+                                 self.kv_cache.dtype)
+
+    def _advance(self, read: _Read) -> str:
+        """A staged transfer's state, moving it on: a round done is copied in (READ) and its range given
+        back; the next takes a range (when it is this transfer's turn and one is free) and is posted."""
+        r = read.rounds
+        while not r.failed:
+            if r.start is None:
+                total = len(r.remote_block_ids)
+                if r.done == total:
+                    return "DONE"
+                taken = self.staging.take(read, r.unit_bytes, total - r.done) if self.staging else None
+                if taken is None:
+                    return "PROC"   # (its turn comes as earlier transfers give their ranges back)
+                r.start, r.n = taken
+                try:
+                    self._post_round(read)
+                except Exception as error:
+                    logger.warning("a staged %s's round of %d blocks failed to post: %s: %s", r.op, r.n,
+                                   type(error).__name__, error)
+                    r.failed = True
+                    try:
+                        self._drop_round(read)
+                    except Exception as e:   # a part posted that cannot be aborted: release() tries again
+                        logger.warning("NIXL could not release a transfer yet: %s", e)
+                    break
+            state = combine([transfer_state(self.agent, x) for x in read.xfers])
+            if state != "DONE":
+                return state
+            event = None
+            if r.op == "READ":
+                staging, n = self._staging_view(read), r.n
+                index = torch.tensor(read.local_block_ids[r.done:r.done + n], device=self.kv_cache.device)
+                for j, p in enumerate(read.plan):
+                    self.kv_cache[index, :, :, :, p.dst_head:p.dst_head + p.num_heads] = \
+                        staging[j * n:(j + 1) * n, :, :, :, p.src_head:p.src_head + p.num_heads]
+                if staging.is_cuda:   # the range is free once the copy has run, not when it is queued
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(staging.device))
+            self._drop_round(read, event)
+            r.done += r.n
+            r.n = 0
+        return "ERR"
+
+    def _post_round(self, read: _Read) -> None:
+        r = read.rounds
+        staging, n = self._staging_view(read), r.n
+        if r.op == "WRITE":
+            index = torch.tensor(read.local_block_ids[r.done:r.done + n], device=self.kv_cache.device)
             for j, p in enumerate(read.plan):
-                read.staging[j * n:(j + 1) * n] = self.kv_cache[index, :, :, :, p.dst_head:p.dst_head + p.num_heads]
-            if read.staging.is_cuda:   # NIXL reads the staging by DMA, outside the stream that fills it
-                torch.cuda.current_stream(read.staging.device).synchronize()
-        read.staging_reg = self.agent.register_memory(read.staging)
-        staging = region_of(read.staging)
-        num_descriptors = 0
+                staging[j * n:(j + 1) * n] = self.kv_cache[index, :, :, :, p.dst_head:p.dst_head + p.num_heads]
+            if staging.is_cuda:   # NIXL reads the staging by DMA, outside the stream that fills it
+                torch.cuda.current_stream(staging.device).synchronize()
+        region = region_of(staging)
+        last = r.done + n == len(r.remote_block_ids)
+        notif = (r.notif if last else "").encode()
         for j, piece in enumerate(read.plan):
-            name, region = agents[piece.remote_rank]
-            runs = coalesce(list(range(j * n, (j + 1) * n)), remote_block_ids)
-            read.xfers.append(post_transfer(self.agent, op, staging, region, name, runs, notif.encode())[0])
-            num_descriptors += len(runs)
-        return num_descriptors
+            name, remote = r.agents[piece.remote_rank]
+            runs = coalesce(list(range(j * n, (j + 1) * n)), r.remote_block_ids[r.done:r.done + n])
+            read.xfers.append(post_transfer(self.agent, r.op, region, remote, name, runs, notif)[0])
+
+    def _drop_round(self, read: _Read, event: Any = None) -> None:
+        """Lets the round's transfers go (raises for one still active that cannot be aborted: the range stays
+        its), then gives its range back."""
+        r = read.rounds
+        while read.xfers:
+            read.xfers[-1].release()
+            read.xfers.pop()
+        if r.start is not None:
+            self.staging.give_back(r.start, r.n * r.unit_bytes, event)
+            r.start = None
 
     def _post_write_between_sizes(self, read: _Read, agents: dict, remote_tp: int, remote_block_ids: list[int],
                                   notif: str) -> int:
@@ -255,16 +353,9 @@ class RankReader:
             self.store_pool = None
 
     def _state(self, read: _Read) -> str:
-        states = [transfer_state(self.agent, x) for x in read.xfers]
-        state = combine(states)
-        if state == "DONE" and read.staging is not None and not read.is_copied:
-            index = torch.tensor(read.local_block_ids, device=self.kv_cache.device)
-            n = len(read.local_block_ids)
-            for j, p in enumerate(read.plan):
-                self.kv_cache[index, :, :, :, p.dst_head:p.dst_head + p.num_heads] = \
-                    read.staging[j * n:(j + 1) * n, :, :, :, p.src_head:p.src_head + p.num_heads]
-            read.is_copied = True
-        return state
+        if read.rounds is not None:
+            return self._advance(read)
+        return combine([transfer_state(self.agent, x) for x in read.xfers])
 
     def state_of(self, read_id: int) -> str:
         return self._state(self._reads[read_id])
@@ -291,12 +382,14 @@ class RankReader:
             del self._reads[read_id]
 
     def _let_go(self, read: _Read) -> None:
-        while read.xfers:
-            read.xfers[-1].release()
-            read.xfers.pop()
-        if read.staging_reg is not None:
-            self.agent.deregister_memory(read.staging_reg)
-            read.staging_reg = read.staging = None
+        if read.rounds is None:
+            while read.xfers:
+                read.xfers[-1].release()
+                read.xfers.pop()
+            return
+        self._drop_round(read)
+        if self.staging is not None:
+            self.staging.leave(read)
 
     def deregister(self) -> None:
         if self._progress is not None:
@@ -308,6 +401,9 @@ class RankReader:
             except Exception:
                 pass
         self._reads.clear()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
         if self._reg_descs is not None:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None
@@ -342,9 +438,11 @@ class RankTransfers:
     _rank_states: list[dict[int, str]]
 
     def _init_ranks(self, ranks: Ranks | None, num_kv_heads: int, progress_while_holding: bool) -> None:
-        self.local = RankReader(self.agent, self.agent_name, 0, self.tp_size, num_kv_heads)
+        self.local = RankReader(self.agent, self.agent_name, 0, self.tp_size, num_kv_heads,
+                                self.config.staging_bytes)
         self._call("kv_init", [(f"{self.agent_name}-rank{r}", self.config.enable_prog_thread, r, self.tp_size,
-                                num_kv_heads, progress_while_holding) for r in range(1, self.tp_size)])
+                                num_kv_heads, progress_while_holding, self.config.staging_bytes)
+                               for r in range(1, self.tp_size)])
 
     def _call(self, op: str, per_rank_args: list[tuple] | None = None) -> list[Any]:
         return self.ranks.call(op, per_rank_args) if self.ranks is not None else []

@@ -1,8 +1,8 @@
 """P/D between tensor-parallel instances (NIXL over DRAM), on a tiny llama (2 KV heads): P and D of 2 ranks
-each, and the mixed pairs (P of 2 to D of 1, P of 1 to D of 2: D's ranks regroup the heads through a
-staging buffer), behind the proxy, against a colocated instance of one rank: the same tokens, KV that
-really moved from every rank, nothing held afterwards; a P rank killed: P's engine breaks, and the router
-serves the request on the D alone."""
+each, and the mixed pairs (P of 2 to D of 1, P of 1 to D of 2: D's ranks regroup the heads through their
+staging pools, in rounds: see KV), behind the proxy, against a colocated instance of one rank: the same
+tokens, KV that really moved from every rank, nothing held afterwards; a P rank killed: P's engine breaks,
+and the router serves the request on the D alone."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,9 @@ import pytest
 from tests.e2e.cluster import ROUTER_KEY, Process, wait_until
 from tests.helpers_models import make_tiny_hf_model
 
-KV = '{"lease_seconds": 4, "heartbeat_seconds": 1}'
+# staging_bytes: two blocks' staging (8 KiB a block of this model, whichever side regroups), so that the
+# mixed pairs' transfers of more than two blocks move in rounds through every rank's pool
+KV = '{"lease_seconds": 4, "heartbeat_seconds": 1, "staging_bytes": 16384}'
 ENV = {"PDSERVE_ROUTER_KEY": ROUTER_KEY}
 
 

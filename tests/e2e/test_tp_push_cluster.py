@@ -9,7 +9,9 @@ import pytest
 from tests.e2e.cluster import wait_until
 from tests.e2e.test_tp_pd_cluster import complete, pair_proxies, tiny_llama_servers
 
-KV = '{"lease_seconds": 4, "heartbeat_seconds": 1}'
+# staging_bytes: two blocks' staging (8 KiB a block of this model, whichever side regroups), so that the
+# mixed pairs' transfers of more than two blocks move in rounds through every rank's pool
+KV = '{"lease_seconds": 4, "heartbeat_seconds": 1, "staging_bytes": 16384}'
 
 
 @pytest.fixture(scope="module")

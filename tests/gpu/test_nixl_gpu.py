@@ -43,3 +43,46 @@ def test_shutdown_stops_the_progress_thread_of_a_p_holding_vram_blocks(make_work
     started = time.monotonic()
     p.shutdown()
     assert not p._progress.thread.is_alive() and time.monotonic() - started < 1.5
+
+
+def test_a_staged_read_in_rounds_never_lands_under_a_copy_still_queued():
+    """A one-rank D reads a two-rank P's blocks through a staging pool of one block, while the stream is busy:
+    each round's copy into the cache is queued behind that work, and the range must stay taken until the
+    copy has run (its CUDA event), or the next round's READ (DMA, outside the stream) overwrites it first."""
+    import uuid
+
+    from pdserve.kv_transfer.nixl_tp import RankReader
+    heads, blocks = 4, 16
+    shape = lambda tp: (blocks, 2, 2, 16, heads // tp, 64)  # noqa: E731
+    unit = 2 * 2 * 16 * heads * 64 * 4
+    made = []
+
+    def reader(rank, tp, cache, staging_bytes=1 << 20):
+        r = RankReader.create(f"gpu-staging-{uuid.uuid4().hex[:8]}", False, rank, tp, heads,
+                              staging_bytes=staging_bytes)
+        made.append(r)
+        r.entry = r.register(cache)
+        return r
+    try:
+        p_caches = [torch.randn(shape(2), device="cuda") for _ in range(2)]
+        p = [reader(r, 2, c) for r, c in enumerate(p_caches)]
+        d = reader(0, 1, torch.zeros(shape(1), device="cuda"), staging_bytes=unit)
+        d.connect("P:boot", [x.entry for x in p])
+        torch.cuda.synchronize()
+        a, b = torch.randn(4096, 4096, device="cuda"), torch.randn(4096, 4096, device="cuda")
+        for _ in range(40):   # ~0.1 s of work queued ahead of every copy
+            a = a @ b
+        local, remote = list(range(8)), list(range(8, 16))
+        read_id, state, _ = d.post("P:boot", local, remote)
+        deadline = time.monotonic() + 20.0
+        while state == "PROC" and time.monotonic() < deadline:
+            for x in p:
+                x.poll()
+            state = d.poll()[read_id]
+        assert state == "DONE"
+        torch.cuda.synchronize()
+        assert torch.equal(d.kv_cache[local], torch.cat([c[remote] for c in p_caches], dim=4))
+        d.release(read_id)
+    finally:
+        for r in reversed(made):
+            r.deregister()

@@ -18,7 +18,8 @@ def _close_in_last_bit(got: torch.Tensor, want: torch.Tensor) -> None:
     """Within one unit in the last place of `want`, and mostly equal."""
     assert got.shape == want.shape and got.dtype == want.dtype
     _, exponent = torch.frexp(want.float())  # |want| = m * 2**exponent, m in [0.5, 1)
-    ulp = torch.ldexp(torch.tensor(torch.finfo(want.dtype).eps / 2, device=want.device), exponent).clamp(min=torch.finfo(want.dtype).tiny)
+    half_eps = torch.full(exponent.shape, torch.finfo(want.dtype).eps / 2, device=want.device)
+    ulp = torch.ldexp(half_eps, exponent).clamp(min=torch.finfo(want.dtype).tiny)   # (same shapes: no resize)
     assert ((got.float() - want.float()).abs() <= ulp).all()
     assert (got == want).float().mean() > 0.99
 

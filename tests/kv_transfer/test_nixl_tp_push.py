@@ -52,8 +52,8 @@ class InProcessRanks:
 def make_tp():
     made = []
 
-    def make(role: str, caches: list[torch.Tensor]):
-        config = KVTransferConfig(kv_connector="nixl-push", kv_role=role)
+    def make(role: str, caches: list[torch.Tensor], **config_fields):
+        config = KVTransferConfig(kv_connector="nixl-push", kv_role=role, **config_fields)
         ranks = InProcessRanks(caches[1:])
         worker = TPNixlPushConnectorWorker(config, f"{role}-{uuid.uuid4().hex[:8]}", COMPAT, ranks, NUM_KV_HEADS)
         worker.register_kv_caches(caches[0])
@@ -142,8 +142,8 @@ def test_sizes_of_which_neither_divides_the_other_are_refused_naming_both(make_t
 D_BLOCKS, P_BLOCKS = [7, 8, 12], [11, 12, 13]   # two runs on D: (7, 8) and 12
 
 
-def push_between(make_tp, p_caches, d_caches):
-    p, d = make_tp("producer", p_caches), make_tp("consumer", d_caches)
+def push_between(make_tp, p_caches, d_caches, **p_config):
+    p, d = make_tp("producer", p_caches, **p_config), make_tp("consumer", d_caches)
     d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p, local=D_BLOCKS, first=1)]))
     p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [10] + P_BLOCKS, (31,))]))
     tokens = {}
@@ -227,6 +227,27 @@ def test_every_head_lands_in_its_place_between_these_sizes(make_tp, p_size, d_si
     d_caches = [torch.zeros(shape(d_size)) for _ in range(d_size)]
     p, d = push_between(make_tp, p_caches, d_caches)
     whole_p = torch.cat([c[P_BLOCKS] for c in p_caches], dim=4)   # every head, in order
+    whole_d = torch.cat([c[D_BLOCKS] for c in d_caches], dim=4)
+    assert torch.equal(whole_d, whole_p)
+    assert_idle(p, d)
+
+
+@pytest.mark.parametrize("p_size", [1, 2])
+def test_a_push_into_more_ranks_moves_in_rounds_through_a_small_staging_pool(make_tp, monkeypatch, p_size):
+    """P's ranks stage each D rank's heads; with room for one block's staging on P's ranks (set in P's config,
+    rank 0's and ranks 1..T-1's), the three blocks go one round each, the notification with the last."""
+    shape = lambda size: (16, 2, 2, 4, NUM_KV_HEADS // size, 8)  # noqa: E731
+    unit = 2 * 2 * 4 * (NUM_KV_HEADS // p_size) * 8 * 4   # a P rank's heads of one block, staged for D's ranks
+    rounds = []
+    from pdserve.kv_transfer import nixl_tp
+    real = nixl_tp.post_transfer
+    monkeypatch.setattr(nixl_tp, "post_transfer", lambda *a: rounds.append(sum(n for _, _, n in a[5])) or real(*a))
+    p_caches = [torch.randn(shape(p_size), generator=torch.Generator().manual_seed(40 + r)) for r in range(p_size)]
+    d_caches = [torch.zeros(shape(4)) for _ in range(4)]
+    p, d = push_between(make_tp, p_caches, d_caches, staging_bytes=unit)
+    assert [server.transport.staging_bytes for server in p.ranks.servers] == [unit] * (p_size - 1)
+    assert rounds == [1] * (3 * 4)   # a round a block, a WRITE per D rank
+    whole_p = torch.cat([c[P_BLOCKS] for c in p_caches], dim=4)
     whole_d = torch.cat([c[D_BLOCKS] for c in d_caches], dim=4)
     assert torch.equal(whole_d, whole_p)
     assert_idle(p, d)
