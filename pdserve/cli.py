@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 
+from pdserve.cli_types import byte_size, port as port_type
 from pdserve.config import (API_KEY_ENV, LOOPBACK_HOSTS, ROUTER_KEY_ENV, CacheConfig, EngineConfig,
                             KVTransferConfig, KV_ROLES, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig,
                             check_cpu_cores)
@@ -25,7 +26,9 @@ DESCRIPTION = """pdserve: an LLM server with prefill/decode disaggregation and a
   pdserve proxy               put the router in front of prefill, decode and colocated instances
   pdserve status [URL]        print a router's instances, their health and load
   pdserve kv-store            a KV block pool the instances share (--kv-connector store)
+  pdserve scale               resize the pools of a `pdserve up --ray` cluster
   pdserve bench serve|sweep   measure any OpenAI-compatible endpoint
+  pdserve bench compare       start colocated, chunked and disaggregated deployments in turn and sweep each
   pdserve plan                size a cluster for a workload, rate and SLO by simulation (docs/planner.md)
 """
 
@@ -71,8 +74,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the device runs this one, hiding the engine's "
                         "host work (default: on for CUDA, off for CPU, where it would gain nothing)")
-    g.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes of KV cache (CPU default 2 GiB, or an eighth of the memory available at start where less; on CUDA it overrides --gpu-memory-utilization)")
+    g.add_argument("--kv-cache-memory", type=byte_size, default=None,
+                   help="bytes of KV cache, e.g. 4GiB or 500000000 (CPU default 2 GiB, or an eighth of the memory available at start where less; on CUDA it overrides --gpu-memory-utilization)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="this instance's fraction of its GPU's memory for weights + KV cache (CUDA), never "
                         "more than is free; instances sharing a GPU: fractions adding up to at most ~0.9 "
@@ -119,7 +122,7 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
 def _add_server_args(p: argparse.ArgumentParser, port: int = 8000) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface; then set an API or router key)")
-    p.add_argument("--port", type=int, default=port, help="port of the OpenAI-compatible API")
+    p.add_argument("--port", type=port_type, default=port, help="port of the OpenAI-compatible API")
     add_key_arguments(p)
     g = p.add_argument_group("limits (admission control)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
@@ -150,10 +153,19 @@ def add_key_arguments(p: argparse.ArgumentParser, *, router_key: bool = True) ->
                             f"address; `pdserve up` makes one")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:   # (run from a checkout that is not installed)
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     # every subcommand's --help shows its flags' defaults (HelpFormatter), unless it picks its own layout
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True,
                                 parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter))
 
@@ -177,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start prefill and decode instances and the proxy on this machine, "
                                     "wait until healthy, print the URL; Ctrl-C stops everything.")
     up.add_argument("--host", default="127.0.0.1", help="address of the proxy and every instance")
-    up.add_argument("--port", type=int, default=8000,
+    up.add_argument("--port", type=port_type, default=8000,
                     help="the router's port; instances take the next ones (on Ray: free ports of their nodes)")
     add_key_arguments(up, router_key=False)
     up.add_argument("--num-prefill", type=int, default=1, help="prefill (producer) instances")
@@ -202,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-args", default="", metavar="'FLAGS'",
                     help="more `pdserve serve` flags for the decode instances only, e.g. "
                          "--decode-args='--max-num-seqs 512'")
-    up.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per instance (on CUDA instead of the memory fraction)")
+    up.add_argument("--kv-cache-memory", type=byte_size, default=None, help="bytes of KV cache per instance, e.g. 4GiB (on CUDA instead of the memory fraction)")
     up.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                     help="ranks of every instance (each on as many consecutive GPUs, or its share of the cores); "
                          "a pool's own flag wins, e.g. --colocated-args='-tp 2'; of a P and a D size one must divide the other")
@@ -301,6 +313,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv = KVTransferConfig.from_json(args.kv_transfer_config, kv_connector=args.kv_connector,
                                     kv_role=args.kv_role, engine_id=args.engine_id, kv_store=args.kv_store)
     kv.auth_key = args.router_key
+    if kv.kv_connector is None and args.kv_role != "both":
+        raise ValueError(f"--kv-role {args.kv_role}: only with --kv-connector (without one the instance is "
+                         "colocated: it prefills and decodes its own requests)")
     if kv.kv_connector is not None:
         if args.router_key is None and args.host not in LOOPBACK_HOSTS:
             raise ValueError(f"router_key: a P/D instance on {args.host} would take kv_transfer_params from any "
@@ -454,6 +469,12 @@ def up_main(args: argparse.Namespace) -> int:
     if ray_only:
         print(f"pdserve up: {', '.join(ray_only)}: for a cluster on Ray only (add --ray)", file=sys.stderr)
         return 2
+    from pdserve.model.loader import resolve_model_path
+    try:   # here, not once per instance from children exiting one by one
+        resolve_model_path(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
     serve_args[:0] = ["--drain-timeout", str(args.drain_timeout)]
     return run_cluster(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                        host=args.host, port=args.port, serve_args=serve_args,
@@ -550,19 +571,46 @@ def kv_store_main(args: argparse.Namespace) -> int:
 
 def status_main(args: argparse.Namespace) -> int:
     from pdserve.router.status import fetch_cluster, format_cluster
+    import urllib.error
     try:
         cluster = fetch_cluster(args.url, args.api_key)
     except (OSError, ValueError) as e:
-        print(f"pdserve status: {args.url}: {e}", file=sys.stderr)
+        hint = ""
+        if isinstance(e, urllib.error.HTTPError) and e.code == 401:
+            why = "the key given is not the router's" if args.api_key else "the router has a client key"
+            hint = f" ({why}: pass --api-key or set ${API_KEY_ENV})"
+        print(f"pdserve status: {args.url}: {e}{hint}", file=sys.stderr)
         return 1
-    print(json.dumps(cluster, indent=2) if args.json else format_cluster(cluster))
+    try:
+        print(json.dumps(cluster, indent=2) if args.json else format_cluster(cluster))
+        sys.stdout.flush()
+    except BrokenPipeError:   # `pdserve status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error at exit)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return 2
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # named by the subcommand's parser, whose usage is the one that helps
+        _command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
+
+
+def _command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the (sub)command argv names, e.g. `bench sweep`'s."""
+    for word in argv:
+        commands = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if commands is None:
+            break
+        if word in commands.choices:
+            parser = commands.choices[word]
+    return parser
 
 
 if __name__ == "__main__":

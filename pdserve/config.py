@@ -154,6 +154,9 @@ class KVTransferConfig:
                 raise ValueError("kv_transfer_config: must be a JSON object")
         known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "auth_key")}
         kwargs = {k: v for k, v in data.items() if k in known}
+        if isinstance(kwargs.get("staging_bytes"), str):   # "256MiB" as well as 268435456
+            from pdserve.cli_types import parse_bytes
+            kwargs["staging_bytes"] = parse_bytes(kwargs["staging_bytes"], "staging_bytes")
         extra = {k: v for k, v in data.items() if k not in known}
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         cfg = cls(**kwargs, extra=extra)

@@ -453,6 +453,12 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
+def _transfer(kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """A P's answer carries its kv_transfer_params for the router; every other answer leaves the field out
+    (it is no part of OpenAI's schema, and strict clients need not see it)."""
+    return {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else {}
+
+
 def _choice(choice: dict[str, Any], token_ids: list[int] | None) -> dict[str, Any]:
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -467,7 +473,7 @@ def completion_response(response_id: str, model: str, text: str, finish_reason: 
             "model": model,
             "choices": [_choice({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason},
                                 token_ids)],
-            "usage": usage, "kv_transfer_params": kv_transfer_params}
+            "usage": usage, **_transfer(kv_transfer_params)}
 
 
 def completion_chunk(response_id: str, model: str, created: int, text: str,
@@ -485,7 +491,7 @@ def chat_response(response_id: str, model: str, text: str, finish_reason: str | 
             "model": model,
             "choices": [_choice({"index": 0, "message": {"role": "assistant", "content": text},
                                  "logprobs": None, "finish_reason": finish_reason}, token_ids)],
-            "usage": usage, "kv_transfer_params": kv_transfer_params}
+            "usage": usage, **_transfer(kv_transfer_params)}
 
 
 def chat_chunk(response_id: str, model: str, created: int, delta: dict[str, Any],

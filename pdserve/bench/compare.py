@@ -44,6 +44,7 @@ from pdserve.bench.cli import _add_workload_args, _positive_int, _write_json, co
 from pdserve.bench.metrics import format_rate, max_rate_meeting_slo, parse_rate
 from pdserve.bench.plots import plot_sweeps, require_matplotlib
 from pdserve.bench.runner import BenchConfig, run_benchmark, run_sweep
+from pdserve.cli_types import byte_size, port as port_type
 from pdserve.cluster.local import ChildProcesses, port_taken, split_cores
 from pdserve.help_format import HelpFormatter
 
@@ -554,11 +555,11 @@ def add_compare_parser(bench_sub: argparse._SubParsersAction) -> None:
     m.add_argument("--max-model-len", type=_positive_int, default=None)
     m.add_argument("--max-num-seqs", type=_positive_int, default=None,
                    help="most requests running at once, per instance (default: the instance's, 256)")
-    m.add_argument("--kv-cache-memory", type=_positive_int, default=None, help="bytes of KV cache per instance (on CUDA instead of the memory fraction)")
+    m.add_argument("--kv-cache-memory", type=byte_size, default=None, help="bytes of KV cache per instance, e.g. 4GiB (on CUDA instead of the memory fraction)")
 
     r = p.add_argument_group("processes and output")
     r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--base-port", type=int, default=8100, help="the proxy's port; instance i takes base-port + 1 + i")
+    r.add_argument("--base-port", type=port_type, default=8100, help="the proxy's port; instance i takes base-port + 1 + i")
     r.add_argument("--start-timeout", type=float, default=600.0, help="seconds for the instances to become healthy")
     r.add_argument("--num-warmup", type=int, default=2, help="unmeasured requests before each configuration's sweep")
     r.add_argument("--out-dir", default=None, help="default: compare-<UTC time> in the current directory")

@@ -364,6 +364,10 @@ def run_cluster(*, model: str, num_prefill: int, num_decode: int, host: str, por
     # Every port first: a cluster already on them answers /health, and this one would report itself
     # ready while its own instances failed to bind (review).
     ports = list(range(port, port + 1 + len(instances) + (kv_connector == "store")))
+    if ports[-1] > 65535:
+        print(f"pdserve up: the cluster takes ports {ports[0]}-{ports[-1]} (the router's, then one per instance"
+              f"{' and the KV store' if kv_connector == 'store' else ''}), past 65535: lower --port", file=sys.stderr)
+        return 2
     for p in ports:
         if (why := port_taken(host, p)) is not None:
             print(f"pdserve up: {host}:{p}: {why} (the cluster takes ports {ports[0]}-{ports[-1]}: the router's, "

@@ -40,7 +40,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -133,7 +132,9 @@ def run_engine_process(config: EngineConfig, in_conn, out_conn) -> None:
         core = EngineCore(config)
         core.enable_kv_events()
     except Exception as e:  # report why start-up failed instead of dying silently
-        out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        if not isinstance(e, (ValueError, FileNotFoundError)):   # (those are the user's to fix: one line)
+            logger.exception("engine start-up failed")
+        out_conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     # The first stats ride with "ready": a load report is whole from the start.
     out_conn.send(("ready", {"max_model_len": core.max_model_len, "engine_id": core.engine_id,

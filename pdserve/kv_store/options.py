@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.cli_types import port_or_zero
+
 DEFAULT_LEASE_S = 30.0
 DEFAULT_INSERT_TTL_S = 90.0
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {text!r}")
-    return port
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address of the store's side channel")
-    p.add_argument("--port", type=int, default=8700, help="the side channel's port (0: a free one)")
+    p.add_argument("--port", type=port_or_zero, default=8700, help="the side channel's port (0: a free one)")
     p.add_argument("--capacity", default="1GiB",
                    help="bytes of KV the pool holds (DRAM, allocated at the first client's handshake): "
                         "e.g. 8GiB, 512MiB; least recently used blocks are evicted beyond it")
@@ -35,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the pool out of shared memory: clients on this host then move KV over NIXL "
                         "(CMA or TCP loopback), a CPU handoff taking 2.4x as long (default: clients on this "
                         "host map the pool and copy)")
-    p.add_argument("--metrics-port", type=_port, default=None,
+    p.add_argument("--metrics-port", type=port_or_zero, default=None,
                    help="also serve Prometheus metrics at http://HOST:PORT/metrics (HOST: --host): the pool's "
                         "slots (stored, free), leases and inserts in flight, blocks inserted, evicted and hit, "
                         "lookups, expirations, refusals for want of space (default: off; `stats` over the side "

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import re
 import signal
 import threading
 import time
@@ -54,6 +53,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.cli_types import parse_bytes
 from pdserve.kv_store.index import MAX_SLOTS, StoreIndex
 from pdserve.kv_store.options import DEFAULT_INSERT_TTL_S, DEFAULT_LEASE_S
 from pdserve.stop_signals import stop_signals
@@ -69,19 +69,6 @@ MAX_WAIT_PER_CALL_S = 0.25
 MAX_CONNECTIONS = 1024   # served at once: every instance's lookups and inserts meet here
 MAX_HASHES_PER_MESSAGE = 1 << 16   # 1M tokens of prompt at 16 tokens per block
 _BUSY_POLL_S, _IDLE_POLL_S = 0.001, 0.05
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'4GiB', '512MB', '1e9' is refused; a plain integer is bytes."""
-    match = _SIZE.match(str(text))
-    if not match or match.group(2) is not None and match.group(2).lower() not in _UNITS:
-        raise ValueError(f"capacity: expected bytes like 4GiB, 512MiB or 1000000, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
-
-
 def parse_pool_device(text: str) -> torch.device:
     """cpu, cuda or cuda:N (checked against the GPUs this process sees)."""
     try:

@@ -2,7 +2,7 @@
 an SLO, predicted by simulating each candidate cluster (planner/simulator.py) on a step profile measured on
 the target hardware (planner/profile.py).
 
-Up to EXHAUSTIVE_UP_TO instances (or with --search exhaustive) it simulates, for every total N from 1 to
+Up to 16 instances (or with --search exhaustive) it simulates, for every total N from 1 to
 --max-instances, N colocated instances and every P:D split of N, on the same requests, and recommends the
 smallest total whose best candidate reaches --target-attainment (ties: the higher attainment, then the higher
 goodput). That is N^2/2 simulations, too many for a pool of hundreds, so past it (--search bisection) the
@@ -10,8 +10,7 @@ two pools are sized apart, as DistServe does: the fewest D that meet the TPOT SL
 pool, the fewest P that meet the TTFT SLO with twice those D (each a galloping bisection, attainment
 growing with the pool); then, while the pair misses, the pool whose growth helps more grows by an eighth of
 the cluster, and once it meets the SLO each pool shrinks back as far as it still does; colocated by
-bisection too. A few dozen simulations at any size, and on the tests' plans the exhaustive search's total
-(tests/planner/test_plan_search.py).
+bisection too. A few dozen simulations at any size, and on the plans tested the exhaustive search's total.
 """
 from __future__ import annotations
 

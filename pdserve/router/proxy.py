@@ -71,6 +71,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdserve.cli_types import port as port_type
 from pdserve.config import API_KEY_ENV, ROUTER_KEY_ENV
 from pdserve.http_guard import (INLINE_PARSE_BYTES, RETRY_AFTER_S, ROUTER_KEY_HEADER, bearer_token,
                                 expect_handler, parse_json, quiet_malformed_requests, read_body, runner_args,
@@ -677,7 +678,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="colocated instances (no KV connector): alone a load-balanced pool; beside P and D a "
                              "pool the router may send whole requests to")
     parser.add_argument("--host", default="127.0.0.1", help="address the router listens on")
-    parser.add_argument("--port", type=int, default=8000, help="port of the router's OpenAI-compatible API")
+    parser.add_argument("--port", type=port_type, default=8000, help="port of the router's OpenAI-compatible API")
     parser.add_argument("--model", default=None,
                         help="the instances' model (as given to `pdserve serve --model`): the router loads its "
                              "tokenizer to match prompts against cached KV blocks (prefix-affinity, cost, "

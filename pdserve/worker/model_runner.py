@@ -121,6 +121,10 @@ class ModelRunner:
         self.tp = tp
         self.model, self.info = load_model(model_config.model, self.dtype, self.device,
                                            model_config.load_format, model_config.seed, tp)
+        # Refused before the KV cache takes memory: past its limit the model meets positions it never saw.
+        if model_config.max_model_len is not None and model_config.max_model_len > self.info.max_model_len:
+            raise ValueError(f"max_model_len {model_config.max_model_len} is more than this model's limit of "
+                             f"{self.info.max_model_len} tokens (its max_position_embeddings or sliding window)")
         if self.device.type == "cpu" and self.dtype == torch.float32:
             layers.prepare_cpu_linear()
         self.kv_cache = allocate_kv_cache(self.info, cache_config, self.dtype, self.device, num_blocks, tp)
@@ -133,8 +137,7 @@ class ModelRunner:
         if enforce_eager is None:
             enforce_eager = os.environ.get("PDSERVE_ENFORCE_EAGER", "0") == "1"
         self.pin_memory = self.device.type == "cuda"
-        # The model's limit caps the asked length; the engine takes this value (one answer for both).
-        self.max_model_len = min(model_config.max_model_len or self.info.max_model_len, self.info.max_model_len)
+        self.max_model_len = model_config.max_model_len or self.info.max_model_len   # (the engine's too)
         self.max_num_seqs = max_num_seqs
         self.decode_graphs: DecodeGraphs | None = None
         self._previous = NOTHING_LAUNCHED  # the last launched step

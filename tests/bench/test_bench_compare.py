@@ -170,8 +170,9 @@ def test_compare_loads_no_torch_and_only_leaf_modules():
                          cwd=Path(__file__).resolve().parents[2]).stdout
     loaded = eval(out)
     assert "torch" not in loaded
-    assert all(m == "pdserve" or m.startswith(("pdserve.bench", "pdserve.config", "pdserve.protocol",
-                                               "pdserve.help_format", "pdserve.stop_signals", "pdserve.cluster"))
+    assert all(m == "pdserve" or m.startswith(("pdserve.bench", "pdserve.cli_types", "pdserve.config",
+                                               "pdserve.protocol", "pdserve.help_format", "pdserve.stop_signals",
+                                               "pdserve.cluster"))
                for m in loaded), loaded
 
 

@@ -201,3 +201,12 @@ def test_a_write_in_rounds_notifies_each_remote_rank_once_with_its_last_round(re
     for rank, reader in enumerate(d):
         assert torch.equal(reader.kv_cache[remote], p_cache[local][..., rank * 2:(rank + 1) * 2, :])
     p.release(write_id)
+
+
+def test_staging_bytes_takes_a_size_with_a_unit_and_refuses_less_than_one_range():
+    from pdserve.config import KVTransferConfig
+    assert KVTransferConfig.from_json('{"staging_bytes": "256MiB"}').staging_bytes == 256 << 20
+    assert KVTransferConfig.from_json('{"staging_bytes": 4096}').staging_bytes == 4096
+    for bad in ('"x"', "10", "true", "1.5"):
+        with pytest.raises(ValueError, match="staging_bytes"):
+            KVTransferConfig.from_json('{"staging_bytes": %s}' % bad)

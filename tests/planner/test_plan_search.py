@@ -91,3 +91,8 @@ def test_a_batch_limit_past_any_engine_is_a_usage_error(capsys):
     rc = cli_main(["plan", "--rate", "8", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "20", "--max-instances", "4",
                    "--num-requests", "10", "--max-num-seqs", "1000000000"])
     assert rc == 2 and "max_num_seqs must be at most 1,000,000" in capsys.readouterr().err
+
+
+def test_the_help_names_the_exhaustive_limit_in_force():
+    from pdserve.planner.plan import DESCRIPTION, EXHAUSTIVE_UP_TO
+    assert f"Up to {EXHAUSTIVE_UP_TO} instances" in DESCRIPTION

@@ -178,6 +178,22 @@ def test_a_stream_split_anywhere_is_relayed_whole():
         assert relay.resume_token_ids() == [5, 6, 7, 8, 9, 10] and relay.num_tokens == 6
 
 
+def test_an_event_of_tokens_without_text_reaches_the_client_only_where_it_asked_for_token_ids():
+    """Text held back (the start of a possible stop string) came to the client as empty chunks through the
+    router, which asks for every event's tokens (new-user check, session 50); the ids are still noted."""
+    from pdserve.router.relay import StreamRelay
+    for chunk, kept in ((protocol.completion_chunk("x", MODEL, 1, ""), False),
+                        (protocol.chat_chunk("x", MODEL, 1, {}), False),
+                        (protocol.completion_chunk("x", MODEL, 1, "", token_ids=[4]), True),
+                        (protocol.chat_chunk("x", MODEL, 1, {}, token_ids=[4]), True),
+                        (protocol.completion_chunk("x", MODEL, 1, "", finish_reason="stop"), True),
+                        (protocol.completion_chunk("x", MODEL, 1, " 5"), True)):
+        relay = StreamRelay()
+        out = relay.feed(protocol.sse_event(chunk | {"router_token_ids": [4]}))
+        assert out == (protocol.sse_event(chunk) if kept else b""), chunk
+        assert relay.resume_token_ids() == [4] and relay.is_tracked
+
+
 def test_a_decode_at_capacity_is_waited_for_not_given_up_on(harness):
     """The 10,000-request soak: a D failed a request (a claim on P's KV timed out) and the other D, full,
     answered 503; the router gave up on it and the client's stream ended in an error. A 503 at capacity

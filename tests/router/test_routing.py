@@ -347,6 +347,24 @@ def test_cluster_lists_every_instance_by_name_and_needs_the_api_key(harness):
     assert "* the router's default: not measured on this instance yet" in lines
 
 
+def test_status_names_the_missing_key_and_ends_quietly_when_its_reader_does(harness, capsys):
+    """New-user check (session 50): a 401 said only "Unauthorized", and `pdserve status | head -3` ended
+    in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+    from pdserve.cli import main
+    url = harness.proxy([harness.backend("prefill")], [harness.backend("decode")], api_key="sekret")
+    assert main(["status", url, "--api-key", ""]) == 1
+    assert "the router has a client key: pass --api-key or set $PDSERVE_API_KEY" in capsys.readouterr().err
+    assert main(["status", url, "--api-key", "wrong"]) == 1
+    assert "the key given is not the router's" in capsys.readouterr().err
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "status", url, "--api-key", "sekret"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()   # gone before a line is written, as `head` is once it has its lines
+    assert proc.wait(60) == 0
+    assert b"Traceback" not in proc.stderr.read()
+
+
 # --- 7. start-up checks ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("pool,role,needed", [("prefill", "consumer", "producer"), ("decode", "producer", "consumer")])
