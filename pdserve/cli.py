@@ -11,6 +11,7 @@ import logging
 import os
 import shlex
 import sys
+import urllib.error
 
 from pdserve.cli_types import byte_size, port as port_type
 from pdserve.config import (API_KEY_ENV, LOOPBACK_HOSTS, ROUTER_KEY_ENV, CacheConfig, EngineConfig,
@@ -313,8 +314,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv = KVTransferConfig.from_json(args.kv_transfer_config, kv_connector=args.kv_connector,
                                     kv_role=args.kv_role, engine_id=args.engine_id, kv_store=args.kv_store)
     kv.auth_key = args.router_key
-    if kv.kv_connector is None and args.kv_role != "both":
-        raise ValueError(f"--kv-role {args.kv_role}: only with --kv-connector (without one the instance is "
+    if kv.kv_connector is None and kv.kv_role != "both":
+        raise ValueError(f"--kv-role {kv.kv_role}: only with --kv-connector (without one the instance is "
                          "colocated: it prefills and decodes its own requests)")
     if kv.kv_connector is not None:
         if args.router_key is None and args.host not in LOOPBACK_HOSTS:
@@ -571,7 +572,6 @@ def kv_store_main(args: argparse.Namespace) -> int:
 
 def status_main(args: argparse.Namespace) -> int:
     from pdserve.router.status import fetch_cluster, format_cluster
-    import urllib.error
     try:
         cluster = fetch_cluster(args.url, args.api_key)
     except (OSError, ValueError) as e:
@@ -585,7 +585,9 @@ def status_main(args: argparse.Namespace) -> int:
         print(json.dumps(cluster, indent=2) if args.json else format_cluster(cluster))
         sys.stdout.flush()
     except BrokenPipeError:   # `pdserve status | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error at exit)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())   # (no second error when Python flushes at exit)
+        os.close(devnull)
     return 0
 
 
@@ -593,8 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    if not argv:
-        parser.print_help()
+    if not argv:   # a usage error, with the overview for usage
+        parser.print_help(sys.stderr)
         return 2
     args, unknown = parser.parse_known_args(argv)
     if unknown:   # named by the subcommand's parser, whose usage is the one that helps

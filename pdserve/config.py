@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.cli_types import parse_bytes
+
 DEFAULT_MODEL = "default"
 
 
@@ -137,7 +139,7 @@ class KVTransferConfig:
                 raise ValueError("kv_store: kv_connector store needs the store's HOST:PORT (--kv-store)")
             parse_host_port(self.kv_store, "kv_store")
         if isinstance(self.staging_bytes, bool) or not isinstance(self.staging_bytes, int) \
-                or self.staging_bytes < 256:
+                or self.staging_bytes < 256:   # (one aligned range: kv_transfer/staging.py)
             raise ValueError(f"staging_bytes: must be an integer of at least 256, got {self.staging_bytes!r}")
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port: must be in [0, 65535], got {self.side_channel_port}")
@@ -155,7 +157,6 @@ class KVTransferConfig:
         known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "auth_key")}
         kwargs = {k: v for k, v in data.items() if k in known}
         if isinstance(kwargs.get("staging_bytes"), str):   # "256MiB" as well as 268435456
-            from pdserve.cli_types import parse_bytes
             kwargs["staging_bytes"] = parse_bytes(kwargs["staging_bytes"], "staging_bytes")
         extra = {k: v for k, v in data.items() if k not in known}
         kwargs.update({k: v for k, v in overrides.items() if v is not None})

@@ -132,7 +132,9 @@ def run_engine_process(config: EngineConfig, in_conn, out_conn) -> None:
         core = EngineCore(config)
         core.enable_kv_events()
     except Exception as e:  # report why start-up failed instead of dying silently
-        if not isinstance(e, (ValueError, FileNotFoundError)):   # (those are the user's to fix: one line)
+        if isinstance(e, (ValueError, FileNotFoundError)):   # most likely the user's to fix: one line
+            logger.debug("engine start-up failed", exc_info=True)
+        else:
             logger.exception("engine start-up failed")
         out_conn.send(("failed", f"{type(e).__name__}: {e}"))
         return

@@ -14,10 +14,11 @@ transport hooks fan out, to RankReader (below) on every rank:
   post:     of the same size, D's rank r READs P's rank r's block runs into its cache (one descriptor
             per run per rank, as with one rank). Of different sizes, a rank's heads of a block are
             strided in the [blocks, layers, 2, slots, heads, dim] layout, so each D rank READs whole
-            block runs of the P ranks holding its heads into a staging buffer registered for the load
-            (one descriptor per run per P rank), then copies its heads into its cache blocks once
-            every READ is done: P of T ranks to D of T/k reads k P ranks per D rank, nothing extra; P of
-            T/k to D of T reads each P block k times, once per D rank that needs a part of it.
+            block runs of the P ranks holding its heads into its staging pool (staging.py; one
+            descriptor per run per P rank), then copies its heads into its cache blocks once every READ
+            of the round is done, in rounds when the pool is smaller than the load: P of T ranks to D of
+            T/k reads k P ranks per D rank, nothing extra; P of T/k to D of T reads each P block k
+            times, once per D rank that needs a part of it.
   check:    once per step one call gathers every rank's states; a load is DONE when every rank's READs
             (and copies) are, ERR when any is
   done:     D's READs carry no NIXL notification (one completes only as its target agent progresses,
@@ -203,8 +204,8 @@ class RankReader:
         """Through the staging pool, in the remote ranks' block layout: a READ lands there and each round is
         copied into the cache once its READs are done; a WRITE (push to a D of more ranks, whose heads are a
         part of ours) sends each remote rank its heads of the blocks, copied there first. The first round
-        is posted here when the pool has room. The descriptors are those of one round (a transfer split
-        into rounds posts at most one more per piece and round)."""
+        is posted here when the pool has room. The descriptors returned are those of the transfer's runs (per
+        piece); one split into rounds posts up to one more per piece at each round's boundary."""
         layers, _, slots, _, dim = self.kv_cache.shape[1:]
         remote_heads = self.num_kv_heads // remote_tp
         unit = len(read.plan) * layers * 2 * slots * remote_heads * dim * self.kv_cache.element_size()
@@ -236,7 +237,8 @@ class RankReader:
 
     def _advance(self, read: _Read) -> str:
         """A staged transfer's state, moving it on: a round done is copied in (READ) and its range given
-        back; the next takes a range (when it is this transfer's turn and one is free) and is posted."""
+        back; the next takes a range (when it is this transfer's turn and one is free) and is posted. Never
+        raises (it runs inside every poll): a round that fails makes the transfer ERR."""
         r = read.rounds
         while not r.failed:
             if r.start is None:
@@ -247,34 +249,47 @@ class RankReader:
                 if taken is None:
                     return "PROC"   # (its turn comes as earlier transfers give their ranges back)
                 r.start, r.n = taken
-                try:
-                    self._post_round(read)
-                except Exception as error:
-                    logger.warning("a staged %s's round of %d blocks failed to post: %s: %s", r.op, r.n,
-                                   type(error).__name__, error)
-                    r.failed = True
-                    try:
-                        self._drop_round(read)
-                    except Exception as e:   # a part posted that cannot be aborted: release() tries again
-                        logger.warning("NIXL could not release a transfer yet: %s", e)
+                if not self._guarded(read, "post", self._post_round):
                     break
             state = combine([transfer_state(self.agent, x) for x in read.xfers])
             if state != "DONE":
                 return state
-            event = None
-            if r.op == "READ":
-                staging, n = self._staging_view(read), r.n
-                index = torch.tensor(read.local_block_ids[r.done:r.done + n], device=self.kv_cache.device)
-                for j, p in enumerate(read.plan):
-                    self.kv_cache[index, :, :, :, p.dst_head:p.dst_head + p.num_heads] = \
-                        staging[j * n:(j + 1) * n, :, :, :, p.src_head:p.src_head + p.num_heads]
-                if staging.is_cuda:   # the range is free once the copy has run, not when it is queued
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(staging.device))
-            self._drop_round(read, event)
-            r.done += r.n
-            r.n = 0
+            if not self._guarded(read, "finish", self._finish_round):
+                break
         return "ERR"
+
+    def _guarded(self, read: _Read, what: str, step: Any) -> bool:
+        """step(read); False once it raised: the transfer is ERR, and its round is let go where NIXL can (where
+        it cannot, the range stays the round's and release() tries again)."""
+        try:
+            step(read)
+            return True
+        except Exception as error:
+            r = read.rounds
+            logger.warning("a staged %s failed to %s a round of %d blocks: %s: %s", r.op, what, r.n,
+                           type(error).__name__, error)
+            r.failed = True
+            try:
+                self._drop_round(read)
+            except Exception as e:
+                logger.warning("NIXL could not release a transfer yet: %s", e)
+            return False
+
+    def _finish_round(self, read: _Read) -> None:
+        r = read.rounds
+        event = None
+        if r.op == "READ":
+            staging, n = self._staging_view(read), r.n
+            index = torch.tensor(read.local_block_ids[r.done:r.done + n], device=self.kv_cache.device)
+            for j, p in enumerate(read.plan):
+                self.kv_cache[index, :, :, :, p.dst_head:p.dst_head + p.num_heads] = \
+                    staging[j * n:(j + 1) * n, :, :, :, p.src_head:p.src_head + p.num_heads]
+            if staging.is_cuda:   # the range is free once the copy has run, not when it is queued
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(staging.device))
+        self._drop_round(read, event)
+        r.done += r.n
+        r.n = 0
 
     def _post_round(self, read: _Read) -> None:
         r = read.rounds
@@ -306,13 +321,10 @@ class RankReader:
 
     def _post_write_between_sizes(self, read: _Read, agents: dict, remote_tp: int, remote_block_ids: list[int],
                                   notif: str) -> int:
-        """Push to a D of another size. D of fewer ranks (k = ours / its): this rank's heads are a contiguous
-        k-th of each slot there, strided in D's blocks, so it writes its blocks whole into the k-th part of
-        each run of D's blocks (grouped_layout), one descriptor per run; D regroups once every rank's has
-        come (regroup). D of more ranks: this rank's heads cover k D ranks, each sent its own through a
-        staging buffer (_post_staged)."""
-        if remote_tp > self.tp_size:
-            return self._post_staged(read, agents, remote_tp, remote_block_ids, "WRITE", notif)
+        """Push to a D of fewer ranks (k = ours / its): this rank's heads are a contiguous k-th of each slot
+        there, strided in D's blocks, so it writes its blocks whole into the k-th part of each run of D's
+        blocks (grouped_layout), one descriptor per run; D regroups once every rank's has come (regroup).
+        (A D of more ranks takes rounds through the staging pool: _start_rounds.)"""
         k = self.tp_size // remote_tp
         name, region = agents[read.plan[0].remote_rank]
         # D's cache seen in blocks of our size: its block b is our-sized blocks b*k .. b*k+k-1

@@ -10,9 +10,10 @@ of the prompt's blocks into the D ranks that hold them (nixl_tp.RankReader, whic
                 D's blocks (tp_layout.grouped_layout): one descriptor per run per P rank. Once every P rank's
                 WRITE is in, each D rank puts the heads back in their places (RankReader.regroup, a copy of
                 the run through a buffer the size of the run) before D reports the load.
-  D has more    a P rank's heads cover k = Td / Tp D ranks: it copies each one's heads of the blocks into a
-                staging buffer of its own, registered for the WRITE, and writes those into that D rank's
-                blocks as they stand: one descriptor per run per D rank, nothing for D to do.
+  D has more    a P rank's heads cover k = Td / Tp D ranks: it copies each one's heads of the blocks into its
+                staging pool (staging.py) and writes those into that D rank's blocks as they stand: one
+                descriptor per run per D rank, nothing for D to do; in rounds when the pool is smaller
+                than the transfer, the notification with the last round.
 
 Every P rank's WRITE to every D rank carries a notification (push_lifecycle.write_notif) naming the
 transfer, P's first token and the writing rank of how many; a D rank's data is in once the notifications

@@ -1,12 +1,14 @@
 """A rank's staging memory for transfers that regroup KV heads (tensor-parallel instances of different sizes,
-and a tensor-parallel instance's store transfers over NIXL): one buffer of `--kv-staging-bytes`, registered
-with the rank's agent once, when the first peer that needs it connects.
+and a tensor-parallel instance's store transfers over NIXL): one buffer of `staging_bytes` (--kv-transfer-config),
+made and registered with the rank's agent once, at the rank's first staged transfer. On a GPU it comes out of
+the memory --gpu-memory-utilization leaves beside the KV cache; where that is too little, each staged
+transfer fails naming the setting.
 
 Why one bounded buffer rather than one per transfer: a staged transfer holds as many bytes as the KV it moves
 (a P of T ranks reading into a D of one holds the prompt's whole KV twice), so buffers per transfer grow with
 the load until an allocation fails mid-flight (on a GPU the KV cache has taken the memory already), and each
 registration costs a NIXL round of its own. From this buffer a transfer takes a contiguous range for as many of
-its blocks as fit, moves them, gives the range back and goes on with the rest: a transfer larger than the whole
+its blocks as fit (the first free range that holds them all, else the largest), moves them, gives the range back and goes on with the rest: a transfer larger than the whole
 buffer moves in rounds, and transfers take their ranges in the order they were posted (a waiting transfer
 holds nothing, and the handoff's own deadline ends it like any other).
 
@@ -29,11 +31,11 @@ def _round_up(n: int) -> int:
 
 
 class StagingPool:
-    """Contiguous byte ranges of one registered buffer, first fit, handed out in the order asked for."""
+    """Contiguous byte ranges of one registered buffer, handed out in the order asked for."""
 
     def __init__(self, agent: Any, num_bytes: int, device: torch.device) -> None:
         if num_bytes < ALIGN:
-            raise ValueError(f"kv_staging_bytes: must be at least {ALIGN}, got {num_bytes}")
+            raise ValueError(f"staging_bytes: must be at least {ALIGN}, got {num_bytes}")
         self.agent, self.num_bytes = agent, num_bytes - num_bytes % ALIGN
         self.buffer = torch.empty(self.num_bytes, dtype=torch.uint8, device=device)
         self._reg = agent.register_memory(self.buffer)
@@ -95,8 +97,7 @@ class StagingPool:
         count = 1
         for n in shape:
             count *= n
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        return self.buffer[start:start + nbytes].view(dtype).view(shape)
+        return self.buffer[start:start + count * dtype.itemsize].view(dtype).view(shape)
 
     def bytes_free(self) -> int:
         self._settle()

@@ -138,14 +138,23 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, load_format:
     return model, info
 
 
-def load_model_config(path: str) -> LlamaConfig:
-    """The model's shape without its weights (a GGUF's header, or config.json)."""
+def _hf_config(path: str) -> dict:
+    """The model's Hugging Face config without its weights (a GGUF's header, or config.json)."""
     path = resolve_model_path(path)
     if path.endswith(".gguf"):
-        hf_config = _gguf_checkpoint(path, need_weights=False)[0]
-    else:
-        hf_config = json.loads((Path(path) / "config.json").read_text())
-    return LlamaConfig.from_hf(hf_config)
+        return _gguf_checkpoint(path, need_weights=False)[0]
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def load_model_config(path: str) -> LlamaConfig:
+    """The model's shape without its weights."""
+    return LlamaConfig.from_hf(_hf_config(path))
+
+
+def load_max_model_len(path: str) -> int:
+    """The longest sequence the model takes (load_model's info.max_model_len), without its weights."""
+    hf_config = _hf_config(path)
+    return _max_model_len(hf_config, LlamaConfig.from_hf(hf_config))
 
 
 def load_tokenizer(path: str):

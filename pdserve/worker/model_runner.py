@@ -28,7 +28,7 @@ from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.model import layers
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.host_copy import to_device
-from pdserve.model.loader import load_model
+from pdserve.model.loader import load_max_model_len, load_model
 from pdserve.model.sampler import sample, skip_draws
 from pdserve.parallel.group import SINGLE, TPGroup
 from pdserve.sampling_params import SamplingParams
@@ -119,12 +119,13 @@ class ModelRunner:
             self.device = device
         self.block_size = cache_config.block_size
         self.tp = tp
+        # Refused before the weights load: past its limit the model meets positions it never saw.
+        if model_config.max_model_len is not None and \
+                model_config.max_model_len > (limit := load_max_model_len(model_config.model)):
+            raise ValueError(f"max_model_len {model_config.max_model_len} is more than this model's limit of "
+                             f"{limit} tokens (its max_position_embeddings or sliding window)")
         self.model, self.info = load_model(model_config.model, self.dtype, self.device,
                                            model_config.load_format, model_config.seed, tp)
-        # Refused before the KV cache takes memory: past its limit the model meets positions it never saw.
-        if model_config.max_model_len is not None and model_config.max_model_len > self.info.max_model_len:
-            raise ValueError(f"max_model_len {model_config.max_model_len} is more than this model's limit of "
-                             f"{self.info.max_model_len} tokens (its max_position_embeddings or sliding window)")
         if self.device.type == "cpu" and self.dtype == torch.float32:
             layers.prepare_cpu_linear()
         self.kv_cache = allocate_kv_cache(self.info, cache_config, self.dtype, self.device, num_blocks, tp)

@@ -47,7 +47,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.model.loader import load_model_config
 from pdserve.parallel.group import COLLECTIVE_TIMEOUT_S, RankCallError, TPGroup, destroy_tp_group
 from pdserve.parallel.sharding import check_tp_size
@@ -407,10 +407,10 @@ class RankCalls:
                          "kv_store_detach": lambda: self.transport.detach_store()}
 
     def kv_init(self, agent_name: str, enable_prog_thread: bool, rank: int, tp_size: int, num_kv_heads: int,
-                progress_while_holding: bool = False, staging_bytes: int | None = None) -> None:
+                progress_while_holding: bool = False, staging_bytes: int = KVTransferConfig.staging_bytes) -> None:
         from pdserve.kv_transfer.nixl_tp import RankReader
         self.transport = RankReader.create(agent_name, enable_prog_thread, rank, tp_size, num_kv_heads,
-                                           progress_while_holding, *([staging_bytes] if staging_bytes else []))
+                                           progress_while_holding, staging_bytes)
 
     def run(self, op: str, args: tuple) -> tuple[str, object]:
         """("ok", result) or ("error", why): a failure of one call is rank 0's to handle, not this rank's end."""

@@ -54,7 +54,7 @@ def test_an_unknown_flag_shows_the_subcommands_usage(capsys):
 
 def test_no_command_prints_the_help_and_version_is_known(capsys):
     assert main([]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "pdserve up" in out and "pdserve scale" in out and "pdserve bench compare" in out
     with pytest.raises(SystemExit) as caught:
         main(["--version"])

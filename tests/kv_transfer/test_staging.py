@@ -210,3 +210,70 @@ def test_staging_bytes_takes_a_size_with_a_unit_and_refuses_less_than_one_range(
     for bad in ('"x"', "10", "true", "1.5"):
         with pytest.raises(ValueError, match="staging_bytes"):
             KVTransferConfig.from_json('{"staging_bytes": %s}' % bad)
+
+
+class FakeEvent:
+    """A CUDA event's query(): not run yet, until told."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_range_whose_copy_has_not_run_is_not_handed_out_again():
+    pool = StagingPool(FakeAgent(), 2 * ALIGN, torch.device("cpu"))
+    first = pool.take(object(), 2 * ALIGN, 1)
+    event = FakeEvent()
+    pool.give_back(first[0], 2 * ALIGN, event)
+    waiter = object()
+    assert pool.take(waiter, ALIGN, 1) is None and pool.bytes_free() == 0
+    event.done = True
+    assert pool.take(waiter, ALIGN, 2) == (0, 2)
+
+
+@needs_nixl
+def test_a_round_that_fails_to_post_or_to_finish_fails_its_transfer_only_and_frees_its_range(readers, monkeypatch):
+    """Code review (session 50): a failure after a round's READs were done (the copy, NIXL's release) escaped
+    poll(), failing every transfer's step on that rank; a post's failure must not leave the range taken."""
+    p = [readers(r, 2, filled(10 + r, 2)) for r in range(2)]
+    d = readers(0, 1, torch.zeros(rank_shape(1)), staging_bytes=2 * UNIT)
+    d.connect("P:boot", [x.entry for x in p])
+    real_post, real_finish = d._post_round, d._finish_round
+    calls = {"post": 0}
+
+    def post_failing_second_round(read):
+        calls["post"] += 1
+        if calls["post"] == 2:
+            raise RuntimeError("injected post failure")
+        real_post(read)
+    monkeypatch.setattr(d, "_post_round", post_failing_second_round)
+    failed_post, _, _ = d.post("P:boot", [0, 1, 2], [1, 2, 3])   # rounds of 2, then 1: the second fails
+    assert wait(p, {failed_post}, d) == {failed_post: "ERR"}
+    assert d.staging.bytes_free() == d.staging.num_bytes
+
+    monkeypatch.setattr(d, "_post_round", real_post)
+    monkeypatch.setattr(d, "_finish_round", lambda read: (_ for _ in ()).throw(RuntimeError("injected copy failure")))
+    failed_finish, _, _ = d.post("P:boot", [4], [5])
+    monkeypatch.setattr(d, "_finish_round", real_finish)
+    fine, _, _ = d.post("P:boot", [6, 7], [8, 9])
+    states = wait(p, {failed_finish, fine}, d)   # (poll never raises)
+    assert states == {failed_finish: "ERR", fine: "DONE"}
+    for read_id in (failed_post, failed_finish, fine):
+        d.release(read_id)
+    assert d.staging.bytes_free() == d.staging.num_bytes and d._reads == {}
+
+
+@needs_nixl
+def test_a_transfer_let_go_mid_rounds_gives_its_range_back(readers):
+    p = [readers(r, 2, filled(20 + r, 2)) for r in range(2)]
+    d = readers(0, 1, torch.zeros(rank_shape(1)), staging_bytes=2 * UNIT)
+    d.connect("P:boot", [x.entry for x in p])
+    read_id, _, _ = d.post("P:boot", [0, 1, 2, 3, 4], [1, 2, 3, 4, 5])
+    assert d.staging.bytes_free() == 0   # its first round holds the pool
+    d.release(read_id)
+    assert d.staging.bytes_free() == d.staging.num_bytes and d._reads == {}
+    other, _, _ = d.post("P:boot", [6], [7])
+    assert wait(p, {other}, d) == {other: "DONE"}
+    d.release(other)
