@@ -146,6 +146,7 @@ class RankReader:
         return reader
 
     def register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
+        self._check_staging_bytes(kv_cache)
         self.kv_cache = kv_cache
         self._reg_descs = self.agent.register_memory(kv_cache)
         self.region = region_of(kv_cache)
@@ -154,7 +155,17 @@ class RankReader:
 
     def adopt(self, kv_cache: torch.Tensor, region: Region) -> None:
         """Rank 0: the worker half registered the cache already."""
+        self._check_staging_bytes(kv_cache)
         self.kv_cache, self.region = kv_cache, region
+
+    def _check_staging_bytes(self, kv_cache: torch.Tensor) -> None:
+        """At start: the pool must hold one block's staging for a peer of any size, at most a block of the
+        whole model's KV (a peer of one rank, or the store); found only at the first transfer, every
+        request would fail."""
+        whole_block = kv_cache[0].numel() * kv_cache.element_size() * self.tp_size
+        if not StagingPool.holds(self.staging_bytes, whole_block):
+            raise ValueError(f"staging_bytes ({self.staging_bytes}) must hold a block of the model's whole KV "
+                             f"({whole_block} bytes): transfers between tensor-parallel sizes move through it")
 
     def connect(self, key: str, remote_ranks: list[dict[str, Any]]) -> None:
         """remote_ranks: every remote rank's {agent_name, region, metadata or None (rank 0's agent, added by
@@ -222,10 +233,10 @@ class RankReader:
         if self.staging is None:
             try:
                 self.staging = StagingPool(self.agent, self.staging_bytes, self.kv_cache.device)
-            except torch.OutOfMemoryError:
+            except RuntimeError as error:   # (torch.OutOfMemoryError on a GPU; the CPU allocator's own)
                 raise RuntimeError(f"no memory for the {self.staging_bytes}-byte staging buffer that transfers "
                                    "between tensor-parallel sizes need: lower staging_bytes in "
-                                   "--kv-transfer-config or the KV cache's share of memory") from None
+                                   f"--kv-transfer-config or the KV cache's share of memory ({error})") from None
         return self.staging
 
     def _staging_view(self, read: _Read) -> torch.Tensor:
@@ -240,6 +251,8 @@ class RankReader:
         back; the next takes a range (when it is this transfer's turn and one is free) and is posted. Never
         raises (it runs inside every poll): a round that fails makes the transfer ERR."""
         r = read.rounds
+        if r.failed:   # (a round NIXL could not abort yet still moves: not over until it is)
+            return "PROC" if any(transfer_state(self.agent, x) == "PROC" for x in read.xfers) else "ERR"
         while not r.failed:
             if r.start is None:
                 total = len(r.remote_block_ids)
@@ -399,9 +412,10 @@ class RankReader:
                 read.xfers[-1].release()
                 read.xfers.pop()
             return
-        self._drop_round(read)
+        read.rounds.failed = True   # let go: never another round, even while this one cannot be aborted
         if self.staging is not None:
             self.staging.leave(read)
+        self._drop_round(read)
 
     def deregister(self) -> None:
         if self._progress is not None:

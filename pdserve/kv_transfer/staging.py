@@ -44,7 +44,12 @@ class StagingPool:
         self._queue: deque[object] = deque()   # who waits for a range, first come first served
 
     def fits(self, unit_bytes: int) -> bool:
-        return _round_up(unit_bytes) <= self.num_bytes
+        return self.holds(self.num_bytes, unit_bytes)
+
+    @staticmethod
+    def holds(num_bytes: int, unit_bytes: int) -> bool:
+        """Whether a pool of num_bytes (as configured) has room for a range of unit_bytes."""
+        return _round_up(unit_bytes) <= num_bytes - num_bytes % ALIGN
 
     def take(self, who: object, unit_bytes: int, max_units: int) -> tuple[int, int] | None:
         """(start, units): the largest run of at most max_units units of unit_bytes that the first free range big

@@ -234,19 +234,21 @@ def test_every_head_lands_in_its_place_between_these_sizes(make_tp, p_size, d_si
 
 @pytest.mark.parametrize("p_size", [1, 2])
 def test_a_push_into_more_ranks_moves_in_rounds_through_a_small_staging_pool(make_tp, monkeypatch, p_size):
-    """P's ranks stage each D rank's heads; with room for one block's staging on P's ranks (set in P's config,
-    rank 0's and ranks 1..T-1's), the three blocks go one round each, the notification with the last."""
+    """P's ranks stage each D rank's heads; with room for one block of the whole model's KV on P's ranks (set in
+    P's config, rank 0's and ranks 1..T-1's), the three blocks go in rounds of 1 (a P of one rank) or 2 (a P
+    rank of two, whose blocks hold half the heads), the notification with the last."""
     shape = lambda size: (16, 2, 2, 4, NUM_KV_HEADS // size, 8)  # noqa: E731
-    unit = 2 * 2 * 4 * (NUM_KV_HEADS // p_size) * 8 * 4   # a P rank's heads of one block, staged for D's ranks
+    whole_block = 2 * 2 * 4 * NUM_KV_HEADS * 8 * 4   # the least staging_bytes an instance starts with
     rounds = []
     from pdserve.kv_transfer import nixl_tp
     real = nixl_tp.post_transfer
     monkeypatch.setattr(nixl_tp, "post_transfer", lambda *a: rounds.append(sum(n for _, _, n in a[5])) or real(*a))
     p_caches = [torch.randn(shape(p_size), generator=torch.Generator().manual_seed(40 + r)) for r in range(p_size)]
     d_caches = [torch.zeros(shape(4)) for _ in range(4)]
-    p, d = push_between(make_tp, p_caches, d_caches, staging_bytes=unit)
-    assert [server.transport.staging_bytes for server in p.ranks.servers] == [unit] * (p_size - 1)
-    assert rounds == [1] * (3 * 4)   # a round a block, a WRITE per D rank
+    p, d = push_between(make_tp, p_caches, d_caches, staging_bytes=whole_block)
+    assert [server.transport.staging_bytes for server in p.ranks.servers] == [whole_block] * (p_size - 1)
+    per_p_rank = [1] * 3 * 4 if p_size == 1 else [2, 2, 1, 1]   # blocks per WRITE: one per D rank it covers
+    assert sorted(rounds) == sorted(per_p_rank * p_size)
     whole_p = torch.cat([c[P_BLOCKS] for c in p_caches], dim=4)
     whole_d = torch.cat([c[D_BLOCKS] for c in d_caches], dim=4)
     assert torch.equal(whole_d, whole_p)

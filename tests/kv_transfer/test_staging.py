@@ -167,13 +167,13 @@ def test_reads_take_turns_and_one_let_go_while_waiting_leaves_the_line(readers):
 
 
 @needs_nixl
-def test_a_pool_that_cannot_hold_one_block_is_refused_naming_the_setting(readers):
-    p = [readers(r, 2, filled(r, 2)) for r in range(2)]
-    d = readers(0, 1, torch.zeros(rank_shape(1)), staging_bytes=UNIT // 2)
-    d.connect("P:boot", [x.entry for x in p])
-    with pytest.raises(ValueError, match="staging_bytes"):
-        d.post("P:boot", [0], [1])
-    assert d._reads == {}
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_pool_that_cannot_hold_a_block_of_the_whole_model_is_refused_at_start(readers, tp):
+    """Hostile review (session 50): it was found at the first staged transfer, and every request then failed
+    with a 502 while the instance reported itself healthy."""
+    with pytest.raises(ValueError, match=r"staging_bytes \(1024\) must hold a block of the model's whole KV "
+                                         r"\(2048 bytes\)"):
+        readers(0, tp, torch.zeros(rank_shape(tp)), staging_bytes=UNIT // 2)
 
 
 @needs_nixl
@@ -277,3 +277,41 @@ def test_a_transfer_let_go_mid_rounds_gives_its_range_back(readers):
     other, _, _ = d.post("P:boot", [6], [7])
     assert wait(p, {other}, d) == {other: "DONE"}
     d.release(other)
+
+
+@needs_nixl
+def test_a_transfer_let_go_whose_round_cannot_be_aborted_posts_no_more_rounds(readers, monkeypatch):
+    """Hostile review (session 50): release() raised (NIXL could not abort the active round), the read stayed
+    in quarantine as it must, but the next polls finished that round and posted the rest, copying into blocks
+    it had given up (a WRITE even notified D)."""
+    p = [readers(r, 2, filled(30 + r, 2)) for r in range(2)]
+    d = readers(0, 1, torch.zeros(rank_shape(1)), staging_bytes=2 * UNIT)
+    d.connect("P:boot", [x.entry for x in p])
+    stuck = {"on": True}
+
+    class Unabortable:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def release(self):
+            if stuck["on"]:
+                raise RuntimeError("cannot abort an active transfer (injected)")
+            self.handle.release()
+
+    real_post, real_state = nixl_tp.post_transfer, nixl_tp.transfer_state
+    posts = []
+    monkeypatch.setattr(nixl_tp, "post_transfer", lambda *a: posts.append(a[5]) or (
+        Unabortable(real_post(*a)[0]), "PROC"))
+    monkeypatch.setattr(nixl_tp, "transfer_state",
+                        lambda agent, x: "PROC" if stuck["on"] else real_state(agent, x.handle))
+    read_id, _, _ = d.post("P:boot", [10, 11, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6])
+    assert len(posts) == 2   # the first round: a READ per P rank
+    with pytest.raises(RuntimeError, match="cannot abort"):
+        d.release(read_id)
+    assert d.poll()[read_id] == "PROC"   # its round still moves into the blocks
+    stuck["on"] = False                   # the round ends on its own
+    states = wait(p, {read_id}, d)
+    assert states == {read_id: "ERR"} and len(posts) == 2
+    assert torch.count_nonzero(d.kv_cache[[10, 11, 3, 4, 5, 6]]) == 0   # nothing copied in after the let-go
+    d.release(read_id)
+    assert d.staging.bytes_free() == d.staging.num_bytes and d._reads == {}
