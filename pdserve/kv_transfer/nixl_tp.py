@@ -473,6 +473,14 @@ class RankTransfers:
     def _call(self, op: str, per_rank_args: list[tuple] | None = None) -> list[Any]:
         return self.ranks.call(op, per_rank_args) if self.ranks is not None else []
 
+    def get_stats(self) -> dict[str, Any]:
+        """Plus rank 0's staging pool (every rank's moves the same transfers): what an operator looks at when
+        transfers between sizes wait, e.g. behind one NIXL cannot abort."""
+        pool = self.local.staging
+        return {**super().get_stats(),
+                "kv_staging_bytes_in_use": pool.num_bytes - pool.bytes_free() if pool is not None else 0,
+                "kv_staging_transfers_waiting": pool.num_waiting() if pool is not None else 0}
+
     def _call_quietly(self, op: str, per_rank_args: list[tuple] | None = None) -> None:
         """An undo on the ranks: failures are logged, not raised."""
         try:

@@ -104,6 +104,9 @@ class StagingPool:
             count *= n
         return self.buffer[start:start + count * dtype.itemsize].view(dtype).view(shape)
 
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
     def bytes_free(self) -> int:
         self._settle()
         return sum(size for _, size in self._free)

@@ -50,6 +50,8 @@ ENGINE_STAT_HELP = {
     "kv_lease_expirations_total": "Held blocks freed because their lease expired.",
     "kv_transfer_seconds": "Duration of one request's KV transfer.",
     "kv_transfer_seconds_total": "Seconds spent in KV transfers (the sum of kv_transfer_seconds).",
+    "kv_staging_bytes_in_use": "Bytes of rank 0's staging pool that transfers between tensor-parallel sizes hold.",
+    "kv_staging_transfers_waiting": "Transfers between tensor-parallel sizes waiting for room in rank 0's staging pool.",
     "kv_store_loaded_blocks_total": "Blocks read from the KV store (--kv-connector store).",
     "kv_store_inserted_blocks_total": "Blocks written into the KV store (--kv-connector store).",
     "kv_store_errors_total": "Exchanges with the KV store that failed or were refused.",

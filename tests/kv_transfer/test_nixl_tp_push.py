@@ -253,6 +253,8 @@ def test_a_push_into_more_ranks_moves_in_rounds_through_a_small_staging_pool(mak
     whole_d = torch.cat([c[D_BLOCKS] for c in d_caches], dim=4)
     assert torch.equal(whole_d, whole_p)
     assert_idle(p, d)
+    stats = p.get_stats()   # (on /metrics: the pool's occupancy, nothing held once the push is done)
+    assert (stats["kv_staging_bytes_in_use"], stats["kv_staging_transfers_waiting"]) == (0, 0)
 
 
 def test_grouped_layout_and_regroup_undo_each_other_over_runs_and_cuts():

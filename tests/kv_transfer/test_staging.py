@@ -156,7 +156,9 @@ def test_reads_take_turns_and_one_let_go_while_waiting_leaves_the_line(readers):
     assert state == "PROC"
     last, state, _ = d.post("P:boot", [3, 5, 6], [7, 8, 9])   # waits behind it
     assert state == "PROC"
+    assert d.staging.num_waiting() == 2 and d.staging.bytes_free() == 0
     d.release(gone)   # (its deadline): it must leave the line, or every later read waits for it forever
+    assert d.staging.num_waiting() == 1
     assert wait(p, {first, last}, d) == {first: "DONE", last: "DONE"}
     want = torch.cat([c[[4, 5, 7, 8, 9]] for c in p_caches], dim=4)
     assert torch.equal(d.kv_cache[[0, 1, 3, 5, 6]], want)
