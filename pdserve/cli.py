@@ -110,8 +110,9 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                         "prefix reuse; needs --kv-store), loopback (engines in one process, for tests)")
     g.add_argument("--kv-store", default=None, metavar="HOST:PORT",
                    help="the `pdserve kv-store` this instance uses (--kv-connector store)")
-    g.add_argument("--kv-role", default="both", choices=KV_ROLES,
-                   help="producer: a prefill instance (P); consumer: a decode instance (D)")
+    g.add_argument("--kv-role", default=None, choices=KV_ROLES,
+                   help="producer: a prefill instance (P); consumer: a decode instance (D); both (the default, "
+                        "or kv_role in --kv-transfer-config)")
     g.add_argument("--engine-id", default=None, help="this instance's id in kv_transfer_params")
     g.add_argument("--kv-transfer-config", default=None,
                    help='JSON: {"lease_seconds": 30, "kv_load_failure_policy": "fail"|"recompute", '

@@ -534,6 +534,7 @@ class RankFanOut(RankTransfers):
     transfers (RankTransfers)."""
 
     def _register(self, kv_cache: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+        self.local._check_staging_bytes(kv_cache)   # here, before the ranks would each refuse it less plainly
         fields, blob = super()._register(kv_cache)
         fields["tp_ranks"] = self._call("kv_register")   # ranks 1..T-1
         return fields, blob

@@ -31,6 +31,7 @@ from pdserve.kv_transfer.nixl_tp import Ranks, RankTransfers, _TPHandle, combine
 from pdserve.kv_transfer.store_client import StoreClient
 from pdserve.kv_transfer.store_shm import MappedPool, attach
 from pdserve.kv_transfer.store_worker import StoreConnectorWorker
+from pdserve.kv_transfer.transport_worker import single_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class TPStoreConnectorWorker(RankTransfers, StoreConnectorWorker):
     # ---- start-up and the store's boot -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Any) -> None:
+        self.local._check_staging_bytes(single_kv_cache(kv_caches))   # here, before the ranks would each refuse it less plainly
         self._call("kv_register")   # (before rank 0's handshake, which may map the pool on every rank)
         super().register_kv_caches(kv_caches)
         self.local.adopt(self._kv_cache, self._region)

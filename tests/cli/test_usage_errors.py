@@ -59,3 +59,16 @@ def test_no_command_prints_the_help_and_version_is_known(capsys):
     with pytest.raises(SystemExit) as caught:
         main(["--version"])
     assert caught.value.code == 0 and capsys.readouterr().out.startswith("pdserve ")
+
+
+def test_the_role_in_the_kv_transfer_config_counts_unless_the_flag_sets_one(capsys):
+    """--kv-role's default ("both") always overrode the JSON's kv_role (code review, session 50)."""
+    from pdserve.cli import build_parser, engine_config_from_args
+    kv = '{"kv_connector": "nixl", "kv_role": "producer"}'
+    config = engine_config_from_args(build_parser().parse_args(["serve", "--kv-transfer-config", kv]))
+    assert config.kv_transfer.kv_role == "producer"
+    config = engine_config_from_args(build_parser().parse_args(["serve", "--kv-transfer-config", kv,
+                                                                "--kv-role", "consumer"]))
+    assert config.kv_transfer.kv_role == "consumer"
+    assert main(["serve", "--kv-transfer-config", '{"kv_role": "consumer"}', "--port", "18192"]) == 2
+    assert "--kv-role consumer: only with --kv-connector" in capsys.readouterr().err

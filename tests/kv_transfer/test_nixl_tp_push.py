@@ -257,6 +257,12 @@ def test_a_push_into_more_ranks_moves_in_rounds_through_a_small_staging_pool(mak
     assert (stats["kv_staging_bytes_in_use"], stats["kv_staging_transfers_waiting"]) == (0, 0)
 
 
+def test_a_staging_pool_too_small_is_refused_by_rank_0_before_the_ranks_register(make_tp):
+    """Ranks 1..T-1 refused it first, and the user read a RankCallError with a traceback (code review)."""
+    with pytest.raises(ValueError, match=r"staging_bytes \(1024\) must hold a block of the model's whole KV"):
+        make_tp("producer", [filled(50), filled(51)], staging_bytes=1024)
+
+
 def test_grouped_layout_and_regroup_undo_each_other_over_runs_and_cuts():
     """Three P ranks' parts written where grouped_layout puts them, then D's regroup: every head in its place,
     over short runs and one longer than MAX_GROUP_BLOCKS (cut, so that D's buffer stays bounded)."""

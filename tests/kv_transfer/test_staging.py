@@ -256,9 +256,13 @@ def test_a_round_that_fails_to_post_or_to_finish_fails_its_transfer_only_and_fre
     assert d.staging.bytes_free() == d.staging.num_bytes
 
     monkeypatch.setattr(d, "_post_round", real_post)
-    monkeypatch.setattr(d, "_finish_round", lambda read: (_ for _ in ()).throw(RuntimeError("injected copy failure")))
+
+    def finish_failing_for_block_4(read):   # (installed throughout: the round may end at post or at a poll)
+        if read.local_block_ids == [4]:
+            raise RuntimeError("injected copy failure")
+        real_finish(read)
+    monkeypatch.setattr(d, "_finish_round", finish_failing_for_block_4)
     failed_finish, _, _ = d.post("P:boot", [4], [5])
-    monkeypatch.setattr(d, "_finish_round", real_finish)
     fine, _, _ = d.post("P:boot", [6, 7], [8, 9])
     states = wait(p, {failed_finish, fine}, d)   # (poll never raises)
     assert states == {failed_finish: "ERR", fine: "DONE"}
