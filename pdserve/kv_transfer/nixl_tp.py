@@ -101,7 +101,7 @@ class _Rounds:
     done: int = 0
     start: int | None = None     # the range held now
     n: int = 0
-    failed: bool = False         # a round failed to post: the transfer is ERR
+    failed: bool = False         # a round failed, or the transfer was let go: ERR, and no more rounds
 
 
 @dataclass(eq=False)   # (one transfer is one _Read: the staging pool's line compares by identity)

@@ -388,13 +388,14 @@ def test_a_heartbeat_overtaking_the_announce_never_frees_the_blocks(make_worker)
 
 def test_an_error_p_cannot_abort_holds_both_sides(make_worker):
     """A WRITE that ended in an error but cannot be released may still land: P keeps its blocks and says
-    "quarantined", and D keeps its blocks whatever its timers say."""
-    cfg = dict(lease_seconds=0.4, heartbeat_seconds=0.1, extra={"write_timeout_seconds": 0.3})
+    "quarantined", and D keeps its blocks whatever its timers say. (A lease of 1 s: with 0.4 s, P's answers to
+    D's heartbeats came late under the full suite's load once, and D took P for silent.)"""
+    cfg = dict(lease_seconds=1.0, heartbeat_seconds=0.2, extra={"write_timeout_seconds": 0.3})
     p, d = make_worker("producer", **cfg), make_worker("consumer", **cfg)
     StuckWrite(p)
     d.start_load_kv(PushConnectorMeta(reqs_to_recv=[recv_spec(p)]))
     p.start_load_kv(PushConnectorMeta(reqs_to_send=[PushSendSpec("p-req", "t1", [1, 2, 3])]))
-    end = time.monotonic() + 4.0  # past D's silent-P bound (0.4 + 0.3 + 2 s): P answers, so no timer applies
+    end = time.monotonic() + 4.5  # past D's silent-P bound (1.0 + 0.3 + 2 s): P answers, so no timer applies
     while time.monotonic() < end:
         assert p.get_finished()[0] == set() and d.get_finished()[1] == set()
         time.sleep(0.01)
