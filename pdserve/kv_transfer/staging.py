@@ -8,9 +8,10 @@ Why one bounded buffer rather than one per transfer: a staged transfer holds as 
 (a P of T ranks reading into a D of one holds the prompt's whole KV twice), so buffers per transfer grow with
 the load until an allocation fails mid-flight (on a GPU the KV cache has taken the memory already), and each
 registration costs a NIXL round of its own. From this buffer a transfer takes a contiguous range for as many of
-its blocks as fit (the first free range that holds them all, else the largest), moves them, gives the range back and goes on with the rest: a transfer larger than the whole
-buffer moves in rounds, and transfers take their ranges in the order they were posted (a waiting transfer
-holds nothing, and the handoff's own deadline ends it like any other).
+its blocks as fit (the first free range that holds them all, else the largest), moves them, gives the range
+back and goes on with the rest: a transfer larger than the whole buffer moves in rounds, and transfers take
+their ranges in the order they were posted (a waiting transfer holds nothing, and the handoff's own deadline
+ends it like any other).
 
 On a GPU a range holds a copy into the KV cache queued on the stream after the READ that filled it: it is free
 again only once that copy has run (an event per range), so the next READ never lands under it.
@@ -52,9 +53,9 @@ class StagingPool:
         return _round_up(unit_bytes) <= num_bytes - num_bytes % ALIGN
 
     def take(self, who: object, unit_bytes: int, max_units: int) -> tuple[int, int] | None:
-        """(start, units): the largest run of at most max_units units of unit_bytes that the first free range big
-        enough holds, for `who`; None while an earlier asker still waits or not one unit is free (who then
-        waits in line)."""
+        """(start, units) for `who`: max_units units of unit_bytes from the first free range that holds them
+        all, else as many as the largest free range holds; None while an earlier asker still waits or not one
+        unit is free (who then waits in line)."""
         self._settle()
         if self._queue and self._queue[0] is not who:
             if who not in self._queue:
