@@ -146,7 +146,7 @@ class RankReader:
         return reader
 
     def register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
-        self._check_staging_bytes(kv_cache)
+        self.check_staging_bytes(kv_cache)
         self.kv_cache = kv_cache
         self._reg_descs = self.agent.register_memory(kv_cache)
         self.region = region_of(kv_cache)
@@ -154,11 +154,11 @@ class RankReader:
                 "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode()}
 
     def adopt(self, kv_cache: torch.Tensor, region: Region) -> None:
-        """Rank 0: the worker half registered the cache already."""
-        self._check_staging_bytes(kv_cache)
+        """Rank 0: the worker half registered the cache already (and checked staging_bytes before the ranks
+        registered theirs)."""
         self.kv_cache, self.region = kv_cache, region
 
-    def _check_staging_bytes(self, kv_cache: torch.Tensor) -> None:
+    def check_staging_bytes(self, kv_cache: torch.Tensor) -> None:
         """At start: the pool must hold one block's staging for a peer of any size, at most a block of the
         whole model's KV (a peer of one rank, or the store); found only at the first transfer, every
         request would fail."""
@@ -534,7 +534,7 @@ class RankFanOut(RankTransfers):
     transfers (RankTransfers)."""
 
     def _register(self, kv_cache: torch.Tensor) -> tuple[dict[str, Any], bytes]:
-        self.local._check_staging_bytes(kv_cache)   # here, before the ranks would each refuse it less plainly
+        self.local.check_staging_bytes(kv_cache)   # here, before the ranks would each refuse it less plainly
         fields, blob = super()._register(kv_cache)
         fields["tp_ranks"] = self._call("kv_register")   # ranks 1..T-1
         return fields, blob

@@ -51,7 +51,7 @@ class TPStoreConnectorWorker(RankTransfers, StoreConnectorWorker):
     # ---- start-up and the store's boot -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Any) -> None:
-        self.local._check_staging_bytes(single_kv_cache(kv_caches))   # here, before the ranks would each refuse it less plainly
+        self.local.check_staging_bytes(single_kv_cache(kv_caches))   # (before the ranks refuse it less plainly)
         self._call("kv_register")   # (before rank 0's handshake, which may map the pool on every rank)
         super().register_kv_caches(kv_caches)
         self.local.adopt(self._kv_cache, self._region)

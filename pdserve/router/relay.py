@@ -25,7 +25,8 @@ CHOICES = b'"choices":[{'
 ROLE_CHUNK = b'"delta":{"role":"assistant","content":""}'
 # An event whose output is tokens alone (text held back, e.g. the start of a possible stop string): the router
 # needs its ids, the client would get an empty chunk (its own token_ids, when it asked, come before `}]`).
-NO_OUTPUT = (b'"text":"","logprobs":null,"finish_reason":null}]', b'"delta":{},"logprobs":null,"finish_reason":null}]')
+NO_OUTPUT = (b'"text":"","logprobs":null,"finish_reason":null}]',
+             b'"delta":{},"logprobs":null,"finish_reason":null}]')
 ERROR = b'data: {"error":'
 DONE = SSE_DONE[:-2]
 MAX_EVENT_BYTES = 4 << 20   # one step's output of one request is far smaller; a stream without ends is not SSE
@@ -106,7 +107,7 @@ class StreamRelay:
                 self.token_ids += ids
                 self.num_tokens += ids.count(b",") + 1
             event = event[:i] + event[j + 1:]
-            if event.endswith(NO_OUTPUT[0], 0, len(event) - 1) or event.endswith(NO_OUTPUT[1], 0, len(event) - 1):
+            if event.endswith(NO_OUTPUT, 0, len(event) - 1):   # (before the event's closing brace)
                 return b""
         elif CHOICES in event and FINISHED not in event and ROLE_CHUNK not in event:
             self.is_tracked = False
